@@ -3,6 +3,9 @@
 //! (comm/mpi.hpp and the CUDA headers under kernels/cuda/ are included separately.)
 #pragma once
 
+#include <shardkit/comm/communicator.hpp>
+#include <shardkit/comm/thread.hpp>
+#include <shardkit/comm/volume.hpp>
 #include <shardkit/config.hpp>
 #include <shardkit/core/dtype.hpp>
 #include <shardkit/core/error.hpp>
@@ -10,3 +13,8 @@
 #include <shardkit/core/ledger.hpp>
 #include <shardkit/core/memory.hpp>
 #include <shardkit/core/tensor.hpp>
+#include <shardkit/kernels/host/convert.hpp>
+#include <shardkit/kernels/host/optimizer.hpp>
+#include <shardkit/kernels/host/reduce.hpp>
+#include <shardkit/kernels/host/simd.hpp>
+#include <shardkit/kernels/math.hpp>

@@ -1,0 +1,100 @@
+//! \file kernels/host/reduce.hpp
+//! The rank-ordered reduction behind every shardkit communicator on the host:
+//!     out[i] = in[0][i] ∘ in[1][i] ∘ ... ∘ in[k-1][i]
+//! always in this order, so the result is the same bit pattern whatever the thread timing or the
+//! transport. fp32, bf16 and fp16 accumulate in fp32 and round once; double in double; integers
+//! in their own type. `out` may be one of the inputs (in-place reductions).
+#pragma once
+
+#include <shardkit/comm/communicator.hpp>
+#include <shardkit/config.hpp>
+#include <shardkit/core/dtype.hpp>
+#include <shardkit/kernels/host/simd.hpp>
+
+#include <cstddef>
+#include <type_traits>
+
+SHARDKIT_NAMESPACE_BEGIN
+namespace host {
+
+namespace detail {
+template <class T, reduce_op Op>
+struct reduce_kernel {
+  SHARDKIT_FORCEINLINE static simd::vfloat combine(simd::vfloat acc, simd::vfloat x) {
+    if constexpr (Op == reduce_op::sum || Op == reduce_op::avg) {
+      return acc + x;
+    } else {
+      if constexpr (Op == reduce_op::max) {
+        simd::stdx::where(x > acc, acc) = x;
+      } else {
+        simd::stdx::where(x < acc, acc) = x;
+      }
+      simd::stdx::where(simd::stdx::isnan(x), acc) = x;  // NaN wins, as in IEEE max/min of NCCL
+      return acc;
+    }
+  }
+
+  SHARDKIT_FORCEINLINE static void one(const T* const* in, std::size_t k, T* out, std::size_t i,
+                                       std::size_t len) {
+    const bool full = len == simd::width;
+    simd::vfloat acc = full ? simd::load(in[0] + i) : simd::load_partial(in[0] + i, len);
+    for (std::size_t q = 1; q < k; ++q) {
+      acc = combine(acc, full ? simd::load(in[q] + i) : simd::load_partial(in[q] + i, len));
+    }
+    if constexpr (Op == reduce_op::avg) acc = acc / static_cast<float>(k);
+    if (full)
+      simd::store(out + i, acc);
+    else
+      simd::store_partial(out + i, acc, len);
+  }
+
+  SHARDKIT_FORCEINLINE static void run(const T* const* in, std::size_t k, T* out, std::size_t n) {
+    constexpr std::size_t L = simd::width;
+    std::size_t i = 0;
+    for (; i + L <= n; i += L) one(in, k, out, i, L);
+    if (i < n) one(in, k, out, i, n - i);
+  }
+};
+}  // namespace detail
+
+//! Reduces k arrays of n elements element-wise in the fixed order in[0], in[1], ..., in[k-1].
+template <element_type T>
+void reduce_ordered(const T* const* in, std::size_t k, T* out, std::size_t n, reduce_op op) {
+  if (n == 0 || k == 0) return;
+  if constexpr (float_storage<T>) {
+    switch (op) {
+      case reduce_op::sum:
+        return dispatch<detail::reduce_kernel<T, reduce_op::sum>>(in, k, out, n);
+      case reduce_op::avg:
+        return dispatch<detail::reduce_kernel<T, reduce_op::avg>>(in, k, out, n);
+      case reduce_op::max:
+        return dispatch<detail::reduce_kernel<T, reduce_op::max>>(in, k, out, n);
+      case reduce_op::min:
+        return dispatch<detail::reduce_kernel<T, reduce_op::min>>(in, k, out, n);
+    }
+  } else {
+    for (std::size_t i = 0; i < n; ++i) {
+      T acc = in[0][i];
+      for (std::size_t q = 1; q < k; ++q) {
+        const T x = in[q][i];
+        switch (op) {
+          case reduce_op::sum:
+          case reduce_op::avg:
+            acc = static_cast<T>(acc + x);
+            break;
+          case reduce_op::max:
+            acc = (x > acc || x != x) ? x : acc;
+            break;
+          case reduce_op::min:
+            acc = (x < acc || x != x) ? x : acc;
+            break;
+        }
+      }
+      if (op == reduce_op::avg) acc = static_cast<T>(acc / static_cast<T>(k));
+      out[i] = acc;
+    }
+  }
+}
+
+}  // namespace host
+SHARDKIT_NAMESPACE_END

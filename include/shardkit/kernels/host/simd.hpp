@@ -1,0 +1,192 @@
+//! \file kernels/host/simd.hpp
+//! Portable host vectorisation: fp32 SIMD vectors (std::experimental::simd, the future
+//! std::simd) with exact loads and stores of bf16/fp16/fp32 storage, and run-time dispatch to
+//! an AVX2+FMA build of a loop on x86-64 CPUs that have it, whatever flags the user compiles
+//! with. The 16-bit conversions are branch-free and bit-identical to the scalar ones in
+//! core/dtype.hpp.
+#pragma once
+
+#include <shardkit/config.hpp>
+#include <shardkit/core/dtype.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <experimental/simd>
+#include <type_traits>
+
+SHARDKIT_NAMESPACE_BEGIN
+namespace simd {
+
+namespace stdx = std::experimental;
+
+//! fp32 vector of the widest width the translation unit's flags allow.
+using vfloat = stdx::native_simd<float>;
+//! uint32 vector with the same number of lanes.
+using vu32 = stdx::rebind_simd_t<std::uint32_t, vfloat>;
+inline constexpr std::size_t width = vfloat::size();
+
+SHARDKIT_FORCEINLINE vfloat as_float(const vu32& u) {
+  return stdx::__proposed::simd_bit_cast<vfloat>(u);
+}
+SHARDKIT_FORCEINLINE vu32 as_bits(const vfloat& f) {
+  return stdx::__proposed::simd_bit_cast<vu32>(f);
+}
+
+//! Widens 16-bit bfloat16 bit patterns to float (exact).
+SHARDKIT_FORCEINLINE vfloat bf16_to_float(const vu32& h) {
+  return as_float(h << 16);
+}
+
+//! Rounds floats to bfloat16 bit patterns (in the low 16 bits), as float_to_bf16_bits.
+SHARDKIT_FORCEINLINE vu32 float_to_bf16(const vfloat& f) {
+  const vu32 u = as_bits(f);
+  vu32 r = (u + (0x7fffu + ((u >> 16) & 1u))) >> 16;
+  const auto nan = (u & 0x7fffffffu) > 0x7f800000u;
+  if (stdx::any_of(nan)) {
+    const vu32 hi = u >> 16;
+    vu32 q = hi;
+    stdx::where((hi & 0x7fu) == 0u, q) = hi | 0x40u;
+    stdx::where(nan, r) = q;
+  }
+  return r;
+}
+
+//! Widens IEEE binary16 bit patterns to float (exact), as fp16_bits_to_float.
+SHARDKIT_FORCEINLINE vfloat fp16_to_float(const vu32& h) {
+  constexpr std::uint32_t shifted_exp = 0x7c00u << 13;
+  vu32 o = (h & 0x7fffu) << 13;
+  const vu32 exp = o & shifted_exp;
+  o += static_cast<std::uint32_t>(127 - 15) << 23;
+  stdx::where(exp == shifted_exp, o) += static_cast<std::uint32_t>(128 - 16) << 23;
+  const auto denormal = exp == 0u;
+  if (stdx::any_of(denormal)) {
+    const vfloat renorm = as_float(o + (1u << 23)) - as_float(vu32(113u << 23));
+    stdx::where(denormal, o) = as_bits(renorm);
+  }
+  return as_float(o | ((h & 0x8000u) << 16));
+}
+
+//! Rounds floats to IEEE binary16 bit patterns (in the low 16 bits), as float_to_fp16_bits.
+SHARDKIT_FORCEINLINE vu32 float_to_fp16(const vfloat& f) {
+  const vu32 bits = as_bits(f);
+  const vu32 sign = (bits >> 16) & 0x8000u;
+  const vu32 u = bits & 0x7fffffffu;
+  // normal range
+  const vu32 mant_odd = (u >> 13) & 1u;
+  vu32 o = (u + ((static_cast<std::uint32_t>(15 - 127) << 23) + 0xfffu) + mant_odd) >> 13;
+  // subnormal or zero
+  const auto small = u < 0x38800000u;
+  if (stdx::any_of(small)) {
+    const vu32 s = as_bits(as_float(u) + 0.5f) - 0x3f000000u;
+    stdx::where(small, o) = s;
+  }
+  // overflow, infinity, NaN
+  const auto big = u >= 0x47800000u;
+  if (stdx::any_of(big)) {
+    const vu32 payload = (u >> 13) & 0x3ffu;
+    vu32 special(0x7c00u);
+    const auto nan = u > 0x7f800000u;
+    stdx::where(nan, special) = 0x7c00u | payload;
+    stdx::where(nan && payload == 0u, special) = 0x7e00u;
+    stdx::where(big, o) = special;
+  }
+  return o | sign;
+}
+
+//! Loads `width` elements of fp32/bf16/fp16 storage as floats.
+template <class T>
+SHARDKIT_FORCEINLINE vfloat load(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return vfloat(p, stdx::element_aligned);
+  } else {
+    static_assert(is_16bit_float<T>, "simd::load: element type must be float, bf16 or fp16");
+    const vu32 h(reinterpret_cast<const std::uint16_t*>(p), stdx::element_aligned);
+    if constexpr (std::is_same_v<T, bf16>)
+      return bf16_to_float(h);
+    else
+      return fp16_to_float(h);
+  }
+}
+
+//! Stores `width` floats to fp32/bf16/fp16 storage (round to nearest even).
+template <class T>
+SHARDKIT_FORCEINLINE void store(T* p, const vfloat& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.copy_to(p, stdx::element_aligned);
+  } else {
+    static_assert(is_16bit_float<T>, "simd::store: element type must be float, bf16 or fp16");
+    const vu32 h = std::is_same_v<T, bf16> ? float_to_bf16(v) : float_to_fp16(v);
+    h.copy_to(reinterpret_cast<std::uint16_t*>(p), stdx::element_aligned);
+  }
+}
+
+//! Loads the first n < width elements; the other lanes read as zero.
+template <class T>
+SHARDKIT_FORCEINLINE vfloat load_partial(const T* p, std::size_t n) {
+  T tmp[width] = {};
+  std::memcpy(tmp, p, n * sizeof(T));
+  return load(tmp);
+}
+
+//! Stores the first n < width lanes.
+template <class T>
+SHARDKIT_FORCEINLINE void store_partial(T* p, const vfloat& v, std::size_t n) {
+  T tmp[width];
+  store(tmp, v);
+  std::memcpy(p, tmp, n * sizeof(T));
+}
+
+}  // namespace simd
+
+namespace detail {
+//! True when the CPU runs AVX2 and FMA code (checked once). Setting the environment variable
+//! SHARDKIT_HOST_ISA=baseline forces the baseline build (to test or compare it).
+inline bool cpu_has_avx2_fma() noexcept {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const bool has = [] {
+    if (const char* e = std::getenv("SHARDKIT_HOST_ISA");
+        e != nullptr && std::strcmp(e, "baseline") == 0) {
+      return false;
+    }
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__AVX2__)
+#define SHARDKIT_DETAIL_HOST_DISPATCH 1
+//! `Kernel::run` compiled for AVX2+FMA (Kernel::run must be force-inlined).
+template <class Kernel, class... Args>
+[[gnu::target("avx2,fma")]] void run_avx2(Args... args) {
+  Kernel::run(args...);
+}
+#endif
+}  // namespace detail
+
+//! Name of the build dispatch() runs on this CPU: "avx2" or "baseline".
+inline const char* host_isa() noexcept {
+  return detail::cpu_has_avx2_fma() ? "avx2" : "baseline";
+}
+
+//! Runs `Kernel::run(args...)`, a force-inlined loop over simd::vfloat, in the best build for
+//! this CPU: AVX2+FMA on x86-64 CPUs that have them (whatever flags the user compiles with),
+//! the translation unit's baseline otherwise. Both builds compute identical results except for
+//! fused multiply-adds, which the AVX2 build may contract.
+template <class Kernel, class... Args>
+void dispatch(Args... args) {
+#if defined(SHARDKIT_DETAIL_HOST_DISPATCH)
+  if (detail::cpu_has_avx2_fma()) {
+    detail::run_avx2<Kernel>(args...);
+    return;
+  }
+#endif
+  Kernel::run(args...);
+}
+
+SHARDKIT_NAMESPACE_END
