@@ -1,0 +1,128 @@
+//! \file zero/model.hpp
+//! `model_spec`: what a framework registers with an engine. Each parameter has a name, a size
+//! and (usually) a tensor with its initial values; parameters may be grouped into units (one
+//! layer or block each) that ZeRO-3 gathers and releases together and that ZeRO-2 may use as
+//! gradient buckets.
+//!
+//!     shardkit::model_spec model;
+//!     model.begin_unit("layer0");
+//!     model.add("layer0.weight", w0);   // any tensor type adapted through tensor_traits
+//!     model.add("layer0.bias", b0);
+//!     model.begin_unit("layer1");
+//!     ...
+//!
+//! The spec keeps views of the initial-value tensors; they must stay alive until the engine
+//! has been constructed (the engine copies them).
+#pragma once
+
+#include <shardkit/config.hpp>
+#include <shardkit/core/error.hpp>
+#include <shardkit/core/tensor.hpp>
+
+#include <cstddef>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+SHARDKIT_NAMESPACE_BEGIN
+
+class model_spec {
+ public:
+  struct param {
+    std::string name;
+    std::size_t numel = 0;
+    std::optional<any_tensor_view> initial;  //!< initial values; none = zeros
+    std::size_t param_group = 0;             //!< optimizer parameter group
+  };
+
+  //! Registers a parameter whose initial values are those of `initial` (fp32, bf16 or fp16, in
+  //! host memory). Returns the parameter's index.
+  template <tensor T>
+  std::size_t add(std::string name, T& initial, std::size_t param_group = 0) {
+    any_tensor_view v = erase(initial);
+    if (v.type != dtype::f32 && v.type != dtype::bf16 && v.type != dtype::f16) {
+      detail::raise("model_spec::add: parameter '", name, "' has ", shardkit::name(v.type),
+                    " elements; initial values must be fp32, bf16 or fp16");
+    }
+    if (v.space != memory_kind::host) {
+      detail::raise("model_spec::add: parameter '", name, "' lives in ", shardkit::name(v.space),
+                    " memory; initial values must be in host memory");
+    }
+    return push(std::move(name), v.numel, v, param_group);
+  }
+
+  //! Registers a zero-initialised parameter of `numel` elements.
+  std::size_t add(std::string name, std::size_t numel, std::size_t param_group = 0) {
+    return push(std::move(name), numel, std::nullopt, param_group);
+  }
+
+  //! The next parameter added starts a new unit (ZeRO-3 gathers and releases per unit).
+  //! Without any call, the whole model is one unit.
+  model_spec& begin_unit(std::string name = {}) {
+    if (!unit_starts_.empty() && unit_starts_.back() == params_.size()) {
+      if (params_.empty() && unit_starts_.size() == 1) {  // naming the first unit
+        unit_names_.back() = std::move(name);
+        return *this;
+      }
+      detail::raise("model_spec::begin_unit: unit '", unit_names_.back(),
+                    "' has no parameters; every unit needs at least one");
+    }
+    unit_starts_.push_back(params_.size());
+    unit_names_.push_back(name.empty() ? "unit" + std::to_string(unit_names_.size()) : name);
+    return *this;
+  }
+
+  std::size_t size() const noexcept { return params_.size(); }
+  std::span<const param> params() const noexcept { return params_; }
+  const param& operator[](std::size_t i) const { return params_.at(i); }
+
+  //! Parameter index where each unit starts (always at least one unit; the first starts at 0).
+  std::vector<std::size_t> unit_starts() const {
+    if (unit_starts_.empty()) return {0};
+    return unit_starts_;
+  }
+  std::vector<std::string> unit_names() const {
+    if (unit_names_.empty()) return {"unit0"};
+    return unit_names_;
+  }
+  std::size_t num_units() const noexcept { return unit_starts_.empty() ? 1 : unit_starts_.size(); }
+  bool has_units() const noexcept { return unit_starts_.size() > 1; }
+
+  //! Sizes of all parameters, in registration order.
+  std::vector<std::size_t> numels() const {
+    std::vector<std::size_t> n;
+    n.reserve(params_.size());
+    for (const auto& p : params_) n.push_back(p.numel);
+    return n;
+  }
+
+  //! Total elements Ψ.
+  std::size_t numel() const noexcept {
+    std::size_t t = 0;
+    for (const auto& p : params_) t += p.numel;
+    return t;
+  }
+
+ private:
+  std::size_t push(std::string name, std::size_t numel, std::optional<any_tensor_view> v,
+                   std::size_t param_group) {
+    if (name.empty()) name = "param" + std::to_string(params_.size());
+    if (!unit_starts_.empty() && unit_starts_.back() > params_.size()) {
+      detail::raise("model_spec: internal unit bookkeeping error");
+    }
+    if (unit_starts_.empty()) {
+      unit_starts_.push_back(0);
+      unit_names_.push_back("unit0");
+    }
+    params_.push_back(param{std::move(name), numel, v, param_group});
+    return params_.size() - 1;
+  }
+
+  std::vector<param> params_;
+  std::vector<std::size_t> unit_starts_;
+  std::vector<std::string> unit_names_;
+};
+
+SHARDKIT_NAMESPACE_END
