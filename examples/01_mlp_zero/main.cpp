@@ -7,6 +7,7 @@
 // single-rank, unsharded run of the same global batch.
 //
 //   shardkit_example_01_mlp_zero --stage 2 --ranks 4 --steps 20 --layers 64,256,10 --dtype bf16
+//   shardkit_example_01_mlp_zero --stage 3 --prefetch 1      (one ZeRO-3 unit per layer)
 //   shardkit_example_01_mlp_zero --json          (one JSON object instead of the tables)
 //   shardkit_example_01_mlp_zero --check         (exit 1 unless loss falls and bytes match)
 #include <shardkit/shardkit.hpp>
@@ -36,16 +37,17 @@ struct config {
   float lr = 3e-3f;
   float weight_decay = 0.01f;
   std::uint64_t seed = 42;
-  std::size_t bucket = 0;  // ZeRO-2 bucket elements; 0 = one bucket per layer
+  std::size_t bucket = 0;    // ZeRO-2 bucket elements; 0 = one bucket per layer
+  std::size_t prefetch = 1;  // ZeRO-3 units gathered ahead
   bool json = false;
   bool check = false;
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::cerr << "error: " << why << "\n"
-            << "usage: shardkit_example_01_mlp_zero [--stage 0|1|2] [--ranks N] [--steps K]\n"
+            << "usage: shardkit_example_01_mlp_zero [--stage 0|1|2|3] [--ranks N] [--steps K]\n"
                "         [--layers a,b,c,...] [--dtype fp32|bf16] [--batch B] [--lr X]\n"
-               "         [--bucket ELEMS] [--seed S] [--json] [--check]\n";
+               "         [--bucket ELEMS] [--prefetch D] [--seed S] [--json] [--check]\n";
   std::exit(2);
 }
 
@@ -69,7 +71,9 @@ config parse(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--stage")
-      c.stage = static_cast<int>(parse_int(a, value(), 0, 2));
+      c.stage = static_cast<int>(parse_int(a, value(), 0, 3));
+    else if (a == "--prefetch")
+      c.prefetch = static_cast<std::size_t>(parse_int(a, value(), 0, 64));
     else if (a == "--ranks")
       c.ranks = static_cast<int>(parse_int(a, value(), 1, 64));
     else if (a == "--steps")
@@ -121,6 +125,8 @@ struct run_result {
   std::uint64_t sent_formula = 0;
   std::size_t shard_elems = 0;
   std::size_t padded_elems = 0;
+  std::size_t gathered_peak = 0;  // ZeRO-3
+  std::uint64_t gathered_bound = 0;
 };
 
 template <class Policies, class W>
@@ -138,26 +144,43 @@ run_result train(const config& c, int ranks, std::size_t batch) {
     }
     shardkit::engine_options eo;
     eo.bucket_elems = c.bucket;
+    eo.prefetch = c.prefetch;
     engine_t eng(comm, model, {.lr = c.lr, .weight_decay = c.weight_decay}, eo);
 
     run_result r;
-    std::vector<std::vector<float>> grads;
-    std::vector<shardkit::tensor_view<const W>> views;
+    mlp::batch b;
+    std::vector<float> gW, gb;
     for (int step = 0; step < c.steps; ++step) {
-      views.clear();
-      for (std::size_t i = 0; i < eng.num_params(); ++i) views.push_back(eng.param(i));
       const std::uint64_t first = static_cast<std::uint64_t>(step) * batch * ranks +
                                   static_cast<std::uint64_t>(comm.rank()) * batch;
-      double loss = mlp::forward_backward<W>(shape, data, views, first, batch, grads);
-      // Gradients are handed over last layer first, as a backward pass produces them.
-      for (std::size_t i = eng.num_params(); i-- > 0;) eng.grad_ready(i, grads[i]);
+      mlp::load(shape, data, first, batch, b);
+      // Forward, layer by layer. The unit hooks gather a layer's parameters under ZeRO-3 (and
+      // prefetch the next layer's); in stages 0-2 they do nothing.
+      for (std::size_t l = 0; l < shape.layers(); ++l) {
+        eng.pre_forward(l);
+        mlp::forward_layer<W>(shape, l, eng.param(2 * l), eng.param(2 * l + 1), b);
+        eng.post_forward(l);
+      }
+      double loss = mlp::loss_and_delta(shape, data, b);
+      // Backward, last layer first; each gradient goes to shardkit as soon as it exists.
+      for (std::size_t l = shape.layers(); l-- > 0;) {
+        eng.pre_backward(l);
+        mlp::backward_layer<W>(shape, l, eng.param(2 * l), b, gW, gb);
+        eng.grad_ready(2 * l + 1, gb);
+        eng.grad_ready(2 * l, gW);
+        eng.post_backward(l);
+      }
       const auto rep = eng.step();
       comm.all_reduce(&loss, &loss, 1, shardkit::reduce_op::sum);
       r.losses.push_back(loss / static_cast<double>(batch * static_cast<std::size_t>(ranks)));
       r.sent_per_step = rep.bytes_sent;
     }
-    for (std::size_t i = 0; i < eng.num_params(); ++i) {
-      for (auto v : eng.param(i)) r.params.push_back(static_cast<float>(v));
+    for (std::size_t l = 0; l < shape.layers(); ++l) {
+      eng.pre_forward(l);
+      for (std::size_t i = 2 * l; i < 2 * l + 2; ++i) {
+        for (auto v : eng.param(i)) r.params.push_back(static_cast<float>(v));
+      }
+      eng.post_forward(l);
     }
     r.measured = eng.measured_state_bytes();
     r.formula = eng.expected_state_bytes();
@@ -165,6 +188,8 @@ run_result train(const config& c, int ranks, std::size_t batch) {
     r.sent_formula = eng.expected_step_bytes_sent();
     r.shard_elems = eng.layout().shard_numel();
     r.padded_elems = eng.layout().padded_numel();
+    r.gathered_peak = eng.memory().peak(shardkit::memory_category::gathered_params);
+    r.gathered_bound = eng.gathered_bytes_bound();
     return r;
   });
   return per_rank.front();
@@ -177,8 +202,10 @@ run_result train_stage(const config& c, int stage, int ranks, std::size_t batch)
       return train<shardkit::zero0, W>(c, ranks, batch);
     case 1:
       return train<shardkit::zero1, W>(c, ranks, batch);
-    default:
+    case 2:
       return train<shardkit::zero2, W>(c, ranks, batch);
+    default:
+      return train<shardkit::zero3, W>(c, ranks, batch);
   }
 }
 
@@ -212,14 +239,15 @@ int main(int argc, char** argv) try {
 
   const std::uint64_t psi = shape.num_params();
   const int N = c.ranks;
-  // FACTS.md's textbook communication volume, 2(N-1)/N · 2Ψ (Ψ replaced by the padded N·S for
-  // the sharded stages), for comparison with the exact per-rank formula.
+  // FACTS.md's textbook communication volume, 2(N-1)/N · 2Ψ (3(N-1)/N · 2Ψ for ZeRO-3; Ψ
+  // replaced by the padded N·S for the sharded stages), next to the exact per-rank formula.
   const std::size_t elem = c.dtype == "fp32" ? 4 : 2;
-  const double textbook =
-      2.0 * (N - 1) / N * elem * static_cast<double>(c.stage == 0 ? psi : r.padded_elems);
+  const double textbook = (c.stage == 3 ? 3.0 : 2.0) * (N - 1) / N * static_cast<double>(elem) *
+                          static_cast<double>(c.stage == 0 ? psi : r.padded_elems);
 
   const bool loss_fell = r.losses.back() < r.losses.front();
-  const bool bytes_match = r.measured == r.formula && r.sent_per_step == r.sent_formula;
+  const bool bytes_match = r.measured == r.formula && r.sent_per_step == r.sent_formula &&
+                           r.gathered_peak <= r.gathered_bound;
 
   if (c.json) {
     std::printf("{\"stage\": %d, \"ranks\": %d, \"dtype\": \"%s\", \"params\": %" PRIu64
@@ -235,7 +263,10 @@ int main(int argc, char** argv) try {
     obj(r.measured);
     std::printf(",\n \"formula_bytes_per_rank\": ");
     obj(r.formula);
-    std::printf(",\n \"grad_bucket_peak_bytes\": %zu,\n", r.grad_bucket_peak);
+    std::printf(
+        ",\n \"grad_bucket_peak_bytes\": %zu, \"gathered_peak_bytes\": %zu, "
+        "\"gathered_bound_bytes\": %" PRIu64 ",\n",
+        r.grad_bucket_peak, r.gathered_peak, r.gathered_bound);
     std::printf(" \"comm_bytes_per_rank_per_step\": %" PRIu64
                 ", \"formula_comm_bytes_per_rank_per_step\": %" PRIu64 ",\n",
                 r.sent_per_step, r.sent_formula);
@@ -269,13 +300,18 @@ int main(int argc, char** argv) try {
     row("master params (fp32)", r.measured.master_params, r.formula.master_params);
     row("optimizer moments (m, v)", r.measured.optimizer_moments, r.formula.optimizer_moments);
     row("total", r.measured.total(), r.formula.total());
-    if (c.stage == 2) {
+    if (c.stage >= 2) {
       std::printf("  %-26s %10s   (peak, transient: one bucket of full gradients)\n",
                   "grad staging bucket", with_commas(r.grad_bucket_peak).c_str());
     }
-    std::printf("\nbytes sent per rank per step  %10s   %10s  %s (2(N-1)/N x %zuB x %s = %.1f)\n",
+    if (c.stage == 3) {
+      std::printf("  %-26s %10s   (peak, transient; bound (1 + prefetch) x largest unit = %s)\n",
+                  "gathered layer params", with_commas(r.gathered_peak).c_str(),
+                  with_commas(r.gathered_bound).c_str());
+    }
+    std::printf("\nbytes sent per rank per step  %10s   %10s  %s (%d(N-1)/N x %zuB x %s = %.1f)\n",
                 with_commas(r.sent_per_step).c_str(), with_commas(r.sent_formula).c_str(),
-                r.sent_per_step == r.sent_formula ? "" : "MISMATCH", elem,
+                r.sent_per_step == r.sent_formula ? "" : "MISMATCH", c.stage == 3 ? 3 : 2, elem,
                 c.stage == 0 ? "psi" : "N*S", textbook);
     std::printf("\nmax |param - unsharded single-rank run of the same global batch| = %.3g\n",
                 max_diff);

@@ -1,6 +1,7 @@
 // A deliberately small "training framework" for shardkit's examples: an MLP with ReLU, softmax
-// cross-entropy, hand-written backward, and a synthetic classification data set. It stands for
-// the user's own framework; shardkit sees only its parameters and gradients.
+// cross-entropy, hand-written layer-by-layer forward and backward, and a synthetic
+// classification data set. It stands for the user's own framework; shardkit sees only its
+// parameters (through views) and its gradients (handed over layer by layer).
 #pragma once
 
 #include <shardkit/core/dtype.hpp>
@@ -69,7 +70,8 @@ inline std::vector<std::vector<float>> init_params(const shape& s, std::uint64_t
   return p;
 }
 
-//! Synthetic classification: sample j has class j mod C and features = class centre + noise.
+//! Synthetic classification: sample j has a pseudo-random class and features = class centre +
+//! noise.
 struct dataset {
   shape s;
   std::uint64_t seed;
@@ -85,72 +87,99 @@ struct dataset {
   }
 };
 
-//! One forward + backward pass over samples [first, first + count) with fp32 compute.
-//! `params` are the current parameter values (any float storage type); returns the summed
-//! loss and writes dLoss_mean/dparam into `grads` (fp32, scaled by 1/count).
-template <class T>
-double forward_backward(const shape& s, const dataset& data,
-                        std::span<const shardkit::tensor_view<const T>> params, std::uint64_t first,
-                        std::size_t count, std::vector<std::vector<float>>& grads) {
-  const std::size_t L = s.layers();
-  std::vector<std::vector<float>> p(params.size());
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    p[i].resize(params[i].size());
-    for (std::size_t k = 0; k < params[i].size(); ++k) p[i][k] = static_cast<float>(params[i][k]);
-  }
-  grads.assign(params.size(), {});
-  for (std::size_t i = 0; i < params.size(); ++i) grads[i].assign(params[i].size(), 0.0f);
+//! Activations of one batch: acts[l] is batch x widths[l] (after ReLU for hidden layers).
+struct batch {
+  std::size_t size = 0;
+  std::uint64_t first = 0;  // index of the first sample
+  std::vector<std::vector<float>> acts;
+  std::vector<float> delta;  // dLoss/d(output of the layer being back-propagated)
+};
 
+//! Loads samples [first, first + size) as the input activations.
+inline void load(const shape& s, const dataset& d, std::uint64_t first, std::size_t size,
+                 batch& b) {
+  b.size = size;
+  b.first = first;
+  b.acts.assign(s.widths.size(), {});
+  b.acts[0].resize(size * s.inputs());
+  for (std::size_t i = 0; i < size; ++i) d.features(first + i, &b.acts[0][i * s.inputs()]);
+}
+
+//! Forward of layer l with weights W (out x in) and bias of any float storage type.
+template <class T>
+void forward_layer(const shape& s, std::size_t l, shardkit::tensor_view<const T> W,
+                   shardkit::tensor_view<const T> bias, batch& b) {
+  const std::size_t in = s.widths[l], out = s.widths[l + 1];
+  std::vector<float> w(W.size()), bb(bias.size());
+  for (std::size_t k = 0; k < w.size(); ++k) w[k] = static_cast<float>(W[k]);
+  for (std::size_t k = 0; k < bb.size(); ++k) bb[k] = static_cast<float>(bias[k]);
+  auto& y = b.acts[l + 1];
+  y.assign(b.size * out, 0.0f);
+  const bool relu = l + 1 < s.layers();
+  for (std::size_t i = 0; i < b.size; ++i) {
+    const float* x = &b.acts[l][i * in];
+    for (std::size_t o = 0; o < out; ++o) {
+      float z = bb[o];
+      const float* wr = &w[o * in];
+      for (std::size_t k = 0; k < in; ++k) z += wr[k] * x[k];
+      y[i * out + o] = relu ? std::max(z, 0.0f) : z;
+    }
+  }
+}
+
+//! Softmax cross-entropy of the last layer's outputs: returns the summed loss and sets
+//! b.delta = dLoss_mean/dlogits (scaled by 1/size).
+inline double loss_and_delta(const shape& s, const dataset& d, batch& b) {
+  const std::size_t C = s.classes();
+  const auto& logits = b.acts.back();
+  b.delta.assign(b.size * C, 0.0f);
   double loss = 0.0;
-  std::vector<std::vector<float>> act(L + 1);
-  for (std::size_t l = 0; l <= L; ++l) act[l].resize(s.widths[l]);
-  std::vector<float> delta, prev_delta;
-  const float inv = 1.0f / static_cast<float>(count);
-  for (std::size_t b = 0; b < count; ++b) {
-    data.features(first + b, act[0].data());
-    for (std::size_t l = 0; l < L; ++l) {
-      const auto& W = p[2 * l];
-      const auto& bias = p[2 * l + 1];
-      const std::size_t in = s.widths[l], out = s.widths[l + 1];
-      for (std::size_t o = 0; o < out; ++o) {
-        float z = bias[o];
-        for (std::size_t k = 0; k < in; ++k) z += W[o * in + k] * act[l][k];
-        act[l + 1][o] = (l + 1 < L) ? std::max(z, 0.0f) : z;
-      }
-    }
-    // softmax cross-entropy
-    const auto& logits = act[L];
-    const float mx = *std::max_element(logits.begin(), logits.end());
-    double z = 0.0;
-    for (float v : logits) z += std::exp(static_cast<double>(v - mx));
-    const std::size_t y = data.label(first + b);
-    loss += std::log(z) - static_cast<double>(logits[y] - mx);
-    delta.assign(s.classes(), 0.0f);
-    for (std::size_t c = 0; c < s.classes(); ++c) {
-      delta[c] = static_cast<float>(std::exp(static_cast<double>(logits[c] - mx)) / z) -
-                 (c == y ? 1.0f : 0.0f);
-    }
-    for (std::size_t l = L; l-- > 0;) {
-      const std::size_t in = s.widths[l], out = s.widths[l + 1];
-      auto& gW = grads[2 * l];
-      auto& gb = grads[2 * l + 1];
-      for (std::size_t o = 0; o < out; ++o) {
-        gb[o] += inv * delta[o];
-        for (std::size_t k = 0; k < in; ++k) gW[o * in + k] += inv * delta[o] * act[l][k];
-      }
-      if (l == 0) break;
-      prev_delta.assign(in, 0.0f);
-      const auto& W = p[2 * l];
-      for (std::size_t o = 0; o < out; ++o) {
-        for (std::size_t k = 0; k < in; ++k) prev_delta[k] += W[o * in + k] * delta[o];
-      }
-      for (std::size_t k = 0; k < in; ++k) {
-        if (act[l][k] <= 0.0f) prev_delta[k] = 0.0f;  // ReLU
-      }
-      delta.swap(prev_delta);
+  for (std::size_t i = 0; i < b.size; ++i) {
+    const float* z = &logits[i * C];
+    const float mx = *std::max_element(z, z + C);
+    double sum = 0.0;
+    for (std::size_t c = 0; c < C; ++c) sum += std::exp(static_cast<double>(z[c] - mx));
+    const std::size_t y = d.label(b.first + i);
+    loss += std::log(sum) - static_cast<double>(z[y] - mx);
+    for (std::size_t c = 0; c < C; ++c) {
+      const double p = std::exp(static_cast<double>(z[c] - mx)) / sum;
+      b.delta[i * C + c] =
+          static_cast<float>((p - (c == y ? 1.0 : 0.0)) / static_cast<double>(b.size));
     }
   }
   return loss;
+}
+
+//! Backward of layer l: writes dLoss/dW (out x in) and dLoss/dbias (fp32) and replaces b.delta
+//! by dLoss/d(input of layer l) (through the previous layer's ReLU).
+template <class T>
+void backward_layer(const shape& s, std::size_t l, shardkit::tensor_view<const T> W, batch& b,
+                    std::vector<float>& gW, std::vector<float>& gb) {
+  const std::size_t in = s.widths[l], out = s.widths[l + 1];
+  gW.assign(out * in, 0.0f);
+  gb.assign(out, 0.0f);
+  const auto& x = b.acts[l];
+  for (std::size_t i = 0; i < b.size; ++i) {
+    const float* dy = &b.delta[i * out];
+    const float* xi = &x[i * in];
+    for (std::size_t o = 0; o < out; ++o) {
+      gb[o] += dy[o];
+      float* g = &gW[o * in];
+      for (std::size_t k = 0; k < in; ++k) g[k] += dy[o] * xi[k];
+    }
+  }
+  if (l == 0) return;
+  std::vector<float> dx(b.size * in, 0.0f);
+  for (std::size_t i = 0; i < b.size; ++i) {
+    for (std::size_t o = 0; o < out; ++o) {
+      const float dy = b.delta[i * out + o];
+      for (std::size_t k = 0; k < in; ++k) dx[i * in + k] += static_cast<float>(W[o * in + k]) * dy;
+    }
+    for (std::size_t k = 0; k < in; ++k) {
+      if (x[i * in + k] <= 0.0f) dx[i * in + k] = 0.0f;  // ReLU of the layer below
+    }
+  }
+  b.delta.swap(dx);
 }
 
 }  // namespace mlp

@@ -60,7 +60,7 @@ inline std::vector<std::pair<std::size_t, std::size_t>> expected_groups(int stag
                                                                         std::size_t bucket) {
   const std::size_t P = mc.sizes.size();
   std::vector<std::size_t> starts{0};
-  if (stage >= 2 && bucket != 0) {
+  if (stage == 2 && bucket != 0) {
     std::vector<std::size_t> rev;
     std::size_t acc = 0;
     for (std::size_t i = P; i-- > 1;) {
@@ -72,7 +72,7 @@ inline std::vector<std::pair<std::size_t, std::size_t>> expected_groups(int stag
     }
     starts.insert(starts.end(), rev.rbegin(), rev.rend());
   } else if (stage >= 2 && !mc.units.empty()) {
-    starts = mc.units;
+    starts = mc.units;  // stage 2 without a bucket size, and stage 3 always: the units
   }
   std::vector<std::pair<std::size_t, std::size_t>> g;
   for (std::size_t k = 0; k < starts.size(); ++k) {
@@ -87,7 +87,8 @@ struct run_config {
   shardkit::engine_options options{};
   shardkit::adam_options adam{
       .lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-8f, .weight_decay = 0.05f};
-  double tolerance = 1e-6;  // max |p - reference|
+  double tolerance = 1e-6;               // max |p - reference|
+  std::vector<bool> keep_after_forward;  // ZeRO-3: units declared reshard_after_forward = false
 };
 
 template <class World, class Policies, class W, class Opt>
@@ -117,12 +118,16 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
     shardkit::model_spec model;
     std::size_t next_unit = 0;
     for (std::size_t i = 0; i < P; ++i) {
-      if (next_unit < mc.units.size() && mc.units[next_unit] == i) {
-        model.begin_unit();
+      if ((next_unit < mc.units.size() && mc.units[next_unit] == i) ||
+          (mc.units.empty() && i == 0)) {
+        const bool keep =
+            next_unit < cfg.keep_after_forward.size() && cfg.keep_after_forward[next_unit];
+        model.begin_unit("", shardkit::unit_options{.reshard_after_forward = !keep});
         ++next_unit;
       }
       model.add("p" + std::to_string(i), init[i]);
     }
+    const auto traffic0 = c.traffic();
     engine_t eng(c, model, cfg.adam, cfg.options);
     const std::uint64_t psi = ref_p.size();
     ref::adam reference{cfg.adam.lr,  cfg.adam.beta1,           cfg.adam.beta2,
@@ -139,21 +144,76 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
       largest_padded = std::max(largest_padded, n * ((psi_g + n - 1) / n));
     }
     const std::uint64_t w = sizeof(W);
-    const auto traffic0 = c.traffic();
 
     std::vector<float> g;
+    const std::size_t U = eng.num_units();
+    auto unit_params = [&](std::size_t u) {
+      const std::size_t b = mc.units.empty() ? 0 : mc.units[u];
+      const std::size_t e = mc.units.empty() || u + 1 == mc.units.size() ? P : mc.units[u + 1];
+      return std::pair{b, e};
+    };
+    // ZeRO-3 units from the specification: padded size N·S_u, persistent (fewer than
+    // persist_below elements), kept from forward to backward.
+    struct unit_spec {
+      std::uint64_t shard = 0, padded = 0;
+      bool persistent = false, kept = false;
+    };
+    std::vector<unit_spec> units(U);
+    std::uint64_t largest_transient = 0, fixed_live = 0, persistent_live = 0;
+    for (std::size_t u = 0; u < U; ++u) {
+      std::uint64_t psi_u = 0;
+      for (auto [b, e] = unit_params(u); b < e; ++b) psi_u += mc.sizes[b];
+      units[u].shard = (psi_u + n - 1) / n;
+      units[u].padded = n * units[u].shard;
+      units[u].persistent = psi_u < cfg.options.persist_below;
+      units[u].kept = u < cfg.keep_after_forward.size() && cfg.keep_after_forward[u];
+      if (units[u].persistent) {
+        fixed_live += units[u].padded;
+        persistent_live += units[u].padded;
+      } else {
+        largest_transient = std::max(largest_transient, units[u].padded);
+        if (units[u].kept) fixed_live += units[u].padded;
+      }
+    }
     for (int t = 1; t <= cfg.steps; ++t) {
       for (int mb = 0; mb < cfg.micro_batches; ++mb) {
-        for (std::size_t i = P; i-- > 0;) {  // backward order
-          g.resize(mc.sizes[i]);
-          for (std::size_t k = 0; k < g.size(); ++k) g[k] = ref::grad_value(t, c.rank(), i, k, mb);
-          eng.grad_ready(i, g);
+        // Forward: the hooks gather (ZeRO-3) and are no-ops otherwise.
+        for (std::size_t u = 0; u < U; ++u) {
+          eng.pre_forward(u);
+          for (auto [b, e] = unit_params(u); b < e; ++b) {
+            check(eng.param(b).size() == mc.sizes[b], "param(", b, ") has the wrong size");
+          }
+          eng.post_forward(u);
+        }
+        for (std::size_t u = U; u-- > 0;) {  // backward order
+          eng.pre_backward(u);
+          const auto [b, e] = unit_params(u);
+          for (std::size_t i = e; i-- > b;) {
+            g.resize(mc.sizes[i]);
+            for (std::size_t k = 0; k < g.size(); ++k) {
+              g[k] = ref::grad_value(t, c.rank(), i, k, mb);
+            }
+            eng.grad_ready(i, g);
+          }
+          eng.post_backward(u);
         }
       }
       const auto rep = eng.step();
+      if (stage == 3) {
+        check(
+            eng.memory().current(shardkit::memory_category::gathered_params) == persistent_live * w,
+            "after step() ", eng.memory().current(shardkit::memory_category::gathered_params),
+            " bytes of gathered parameters are held; only the persistent units' ",
+            persistent_live * w, " should be");
+      }
       if (cfg.micro_batches == 1) {
-        const auto want =
+        std::uint64_t want =
             ref::facts_step_bytes(stage, psi, n, S, w, static_cast<std::uint64_t>(c.rank()));
+        if (stage == 3) {  // persistent and kept units skip one all-gather per step
+          for (const auto& us : units) {
+            if (us.persistent || us.kept) want -= (n - 1) * us.shard * w;
+          }
+        }
         check(rep.bytes_sent == want, "step ", t, " sent ", rep.bytes_sent,
               " bytes, FACTS formula says ", want);
       }
@@ -165,7 +225,7 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
       for (std::size_t i = 0; i < P; ++i) {
         for (std::size_t k = 0; k < mc.sizes[i]; ++k, ++flat) {
           double total = 0;
-          if (stage <= 1) {
+          if (stage <= 1) {  // local accumulation, then one reduction
             for (int r = 0; r < N; ++r) {
               double local = ref::grad_value(t, r, i, k, 0);
               for (int mb = 1; mb < cfg.micro_batches; ++mb) {
@@ -215,6 +275,8 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
     }
     std::size_t flat = 0;
     for (std::size_t i = 0; i < P; ++i) {
+      // ZeRO-3 gathers a unit to read it (the hooks are no-ops in the other stages)
+      if (i == 0 || eng.unit_of(i) != eng.unit_of(i - 1)) eng.pre_forward(eng.unit_of(i));
       const auto v = eng.param(i);
       check(v.size() == mc.sizes[i], "param(", i, ") has ", v.size(), " elements");
       for (std::size_t k = 0; k < v.size(); ++k, ++flat) {
@@ -229,6 +291,7 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
         const double err = std::fabs(static_cast<double>(master[flat]) - reference.p[flat]);
         out.max_err = std::max(out.max_err, err);
       }
+      if (i + 1 == P || eng.unit_of(i + 1) != eng.unit_of(i)) eng.post_forward(eng.unit_of(i));
     }
     check(out.max_err <= cfg.tolerance, "parameters differ from the unsharded reference by ",
           out.max_err, " (tolerance ", cfg.tolerance, ")");
@@ -243,6 +306,24 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
           got.optimizer_moments, ") bytes; FACTS says (", want.working, ", ", want.grads, ", ",
           want.master, ", ", want.moments, ")");
     check(got == eng.expected_state_bytes(), "plan/formulas.hpp disagrees with the ledger");
+    if constexpr (stage == 3) {
+      // Gathered parameters never exceed (1 + prefetch) x the largest unit, plus the
+      // persistent units and the units kept from forward to backward.
+      std::uint64_t bound = ((1 + cfg.options.prefetch) * largest_transient + fixed_live) * w;
+      if (cfg.options.max_live_elems != 0) {
+        bound = std::min<std::uint64_t>(bound, cfg.options.max_live_elems * w);
+      }
+      const auto peak = eng.memory().peak(shardkit::memory_category::gathered_params);
+      check(peak <= bound, "gathered parameters peaked at ", peak, " bytes, above the bound ",
+            bound);
+      check(peak >= std::max(largest_transient, fixed_live) * w, "gathered parameters peaked at ",
+            peak, " bytes, below the largest unit: the ledger missed a gather");
+      check(eng.gathered_bytes_bound() == bound, "engine reports the bound as ",
+            eng.gathered_bytes_bound(), ", expected ", bound);
+      check(eng.memory().peak(shardkit::memory_category::grad_buckets) ==
+                cfg.options.grad_buffers * largest_padded * w,
+            "staging peaked at ", eng.memory().peak(shardkit::memory_category::grad_buckets));
+    }
     if constexpr (stage == 2) {
       const auto& mem = eng.memory();
       check(mem.peak(shardkit::memory_category::grads) == S * w, "gradient storage peaked at ",
@@ -254,6 +335,7 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
     }
     // The communicator recorded exactly what the engine says it sent (the all_gather above
     // for the master check is outside the engine).
+    c.barrier();  // every asynchronous collective this rank issued has completed
     const auto sent = c.traffic().since(traffic0);
     const std::uint64_t extra =
         engine_t::has_master && stage != 0
@@ -261,9 +343,11 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
                                         eng.layout().shard_numel(), 4, n,
                                         static_cast<std::uint64_t>(c.rank()))
             : 0;
-    check(sent.total_bytes_sent() == eng.traffic().total_bytes_sent() + extra,
+    check(sent.total_bytes_sent() ==
+              eng.traffic().total_bytes_sent() + eng.control_traffic().total_bytes_sent() + extra,
           "communicator recorded ", sent.total_bytes_sent(), " bytes, engine ",
-          eng.traffic().total_bytes_sent());
+          eng.traffic().total_bytes_sent(), " + control ",
+          eng.control_traffic().total_bytes_sent());
     return out;
   });
 }

@@ -23,22 +23,46 @@ void stages_agree(int n, const test::model_case& mc) {
   small.options.grad_buffers = 2;
   const auto s2b = test::train<World, zero2, W, Opt>(n, mc, small);
   test::require_ok(s2b);
+  const auto s3 = test::train<World, zero3, W, Opt>(n, mc, cfg);
+  test::require_ok(s3);
+  // ZeRO-3 without prefetch, with deeper prefetch and two staging buffers, and with the first
+  // unit kept gathered from forward to backward
+  test::run_config z3 = cfg;
+  z3.options.prefetch = 0;
+  const auto s3a = test::train<World, zero3, W, Opt>(n, mc, z3);
+  test::require_ok(s3a);
+  z3.options.prefetch = 2;
+  z3.options.grad_buffers = 2;
+  z3.keep_after_forward = {true};
+  const auto s3b = test::train<World, zero3, W, Opt>(n, mc, z3);
+  test::require_ok(s3b);
+  // ... and with small units persisting (gathered for the whole step)
+  test::run_config z3p = cfg;
+  z3p.options.persist_below = 16;
+  const auto s3p = test::train<World, zero3, W, Opt>(n, mc, z3p);
+  test::require_ok(s3p);
 
   const auto h = test::agreed_working_hash(s0);
   CHECK(test::agreed_working_hash(s1) == h);
   CHECK(test::agreed_working_hash(s2) == h);
   CHECK(test::agreed_working_hash(s2b) == h);
+  CHECK(test::agreed_working_hash(s3) == h);
+  CHECK(test::agreed_working_hash(s3a) == h);
+  CHECK(test::agreed_working_hash(s3b) == h);
+  CHECK(test::agreed_working_hash(s3p) == h);
   if constexpr (!std::is_same_v<W, float>) {
     // the fp32 master copies too (the same on every rank after gathering)
     CHECK(s1[0].master_hash == s0[0].master_hash);
     CHECK(s2[0].master_hash == s0[0].master_hash);
     CHECK(s2b[0].master_hash == s0[0].master_hash);
+    CHECK(s3[0].master_hash == s0[0].master_hash);
+    CHECK(s3b[0].master_hash == s0[0].master_hash);
   }
 }
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("stages 0, 1, 2 match the unsharded reference and each other bit for bit",
+TEMPLATE_TEST_CASE("stages 0-3 match the unsharded reference and each other bit for bit",
                    "[engine]", test::thread_world) {
   using World = TestType;
   const int n = GENERATE(1, 2, 3, 4, 7, 8);
@@ -97,14 +121,18 @@ TEMPLATE_TEST_CASE("micro-batches accumulate into one step", "[engine][accumulat
       const auto a = test::train<World, zero0, float, adamw>(n, mc, cfg);
       const auto b = test::train<World, zero1, float, adamw>(n, mc, cfg);
       const auto c = test::train<World, zero2, float, adamw>(n, mc, cfg);
+      const auto d = test::train<World, zero3, float, adamw>(n, mc, cfg);
       test::require_ok(a);
       test::require_ok(b);
       test::require_ok(c);
+      test::require_ok(d);
       CHECK(test::agreed_working_hash(a) == test::agreed_working_hash(b));
       CHECK(test::agreed_working_hash(a) == test::agreed_working_hash(c));
+      CHECK(test::agreed_working_hash(a) == test::agreed_working_hash(d));
       // bf16: each stage against the reference with its own rounding points.
       test::require_ok(test::train<World, zero0, bf16, adamw>(n, mc, cfg));
       test::require_ok(test::train<World, zero2, bf16, adamw>(n, mc, cfg));
+      test::require_ok(test::train<World, zero3, bf16, adamw>(n, mc, cfg));
     }
   }
 }

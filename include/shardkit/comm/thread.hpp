@@ -322,10 +322,12 @@ struct thread_op {
   std::condition_variable cv;
   bool done = false;
   std::exception_ptr error;
+  std::chrono::steady_clock::time_point completed_at{};
 
   void finish(std::exception_ptr e) {
     std::lock_guard lk(mu);
     error = std::move(e);
+    completed_at = std::chrono::steady_clock::now();
     done = true;
     cv.notify_all();
   }
@@ -340,11 +342,13 @@ class thread_work {
  public:
   thread_work() = default;
   explicit thread_work(std::shared_ptr<detail::thread_op> op) : op_(std::move(op)) {}
-  thread_work(thread_work&&) noexcept = default;
+  thread_work(thread_work&& o) noexcept
+      : op_(std::move(o.op_)), waited_(std::exchange(o.waited_, false)) {}
   thread_work& operator=(thread_work&& o) noexcept {
     if (this != &o) {
       drain();
       op_ = std::move(o.op_);
+      waited_ = std::exchange(o.waited_, false);
     }
     return *this;
   }
@@ -354,11 +358,18 @@ class thread_work {
 
   //! Blocks until the collective is done; rethrows its error. Calling it again is a no-op.
   void wait() {
-    if (!op_) return;
-    auto op = std::move(op_);
-    std::unique_lock lk(op->mu);
-    op->cv.wait(lk, [&] { return op->done; });
-    if (op->error) std::rethrow_exception(op->error);
+    if (!op_ || waited_) return;
+    waited_ = true;
+    std::unique_lock lk(op_->mu);
+    op_->cv.wait(lk, [&] { return op_->done; });
+    if (op_->error) std::rethrow_exception(op_->error);
+  }
+
+  //! When the collective finished on this rank's progress thread (valid once test() is true).
+  std::chrono::steady_clock::time_point completion_time() const {
+    if (!op_) return {};
+    std::lock_guard lk(op_->mu);
+    return op_->completed_at;
   }
 
   //! True when the collective is done (or the handle is empty).
@@ -377,6 +388,7 @@ class thread_work {
     op_.reset();
   }
   std::shared_ptr<detail::thread_op> op_;
+  bool waited_ = false;
 };
 
 //! One rank's endpoint of a thread communicator group in memory space `Space`.

@@ -20,8 +20,21 @@
 //!    reduce-scattered at once (asynchronously) into the rank's gradient shard, so a rank holds
 //!    its shard plus `grad_buffers` buckets of full gradients. step() steps the shard and
 //!    all-gathers the working parameters.
+//!  - stage 3: a rank keeps only its shard of the working parameters. The framework calls
+//!    pre_forward(u)/post_forward(u) and pre_backward(u)/post_backward(u) around each unit
+//!    (model_spec::begin_unit); between them param(i) is a view into the unit's gathered full
+//!    parameters. The engine gathers a unit when its forward or backward begins (or earlier:
+//!    the next `prefetch` units, in the order of the previous step's hooks, are gathered
+//!    asynchronously while the current one computes), releases it after, and reduce-scatters
+//!    the unit's gradients as soon as all of them have been handed over. Units smaller than
+//!    `persist_below` elements stay gathered. The hooks are no-ops in stages 0-2, so framework
+//!    code can call them whatever the stage.
 //! Every stage sums gradients in rank order with fp32 accumulation and runs the same fused
-//! kernel, so stages 0, 1 and 2 give bit-identical parameters at the same N.
+//! kernel, so stages 0, 1, 2 and 3 give bit-identical parameters at the same N.
+//!
+//! Views handed out by param(i) point into engine-owned buffers, so a framework's tensors can
+//! alias them without copies (the design FSDP and Megatron use); under ZeRO-3 a view is valid
+//! only between a unit's pre_* and post_* hooks, since the gathered buffer is freed after.
 #pragma once
 
 #include <shardkit/comm/communicator.hpp>
@@ -40,6 +53,8 @@
 #include <shardkit/zero/model.hpp>
 #include <shardkit/zero/policies.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -65,16 +80,47 @@ struct engine_options {
   bool average_grads = true;
   //! At construction, give every rank rank 0's initial parameter values.
   bool broadcast_init = false;
-  //! ZeRO-2: treat parameters that received no gradient in a step as zero instead of raising
+  //! ZeRO-2/3: treat parameters that received no gradient in a step as zero instead of raising
   //! usage_error at step().
   bool allow_missing_grads = false;
+  //! ZeRO-3: units gathered ahead of use (0 = gather on demand only).
+  std::size_t prefetch = 1;
+  //! ZeRO-3: units with fewer elements than this stay gathered for the whole step.
+  std::size_t persist_below = 0;
+  //! ZeRO-3: most gathered parameter elements held at once (0 = no limit beyond the schedule's
+  //! own bound). Prefetching stops short of it; a configuration whose largest unit plus the
+  //! persistent units exceeds it is rejected at construction.
+  std::size_t max_live_elems = 0;
+  //! ZeRO-2/3: at step(), check with one 16-byte all-reduce that every rank issued the engine's
+  //! collectives in the same order (same buckets/units); if not, raise usage_error on every rank
+  //! and do not apply the step.
+  bool check_schedule = true;
+  //! ZeRO-3: record a timeline of gathers, waits and hooks (engine::trace()).
+  bool trace = false;
+};
+
+//! One entry of the ZeRO-3 timeline (engine_options::trace).
+struct trace_event {
+  enum class kind : std::uint8_t {
+    gather_issued,     //!< all-gather of the unit started (on demand or as a prefetch)
+    gather_completed,  //!< the all-gather finished (communicator's completion time)
+    compute_started,   //!< pre_forward/pre_backward returned: the unit's parameters are usable
+    compute_ended,     //!< post_forward/post_backward called
+    grads_reduced,     //!< the unit's gradient reduce-scatter was issued
+    released,          //!< the gathered parameters were freed
+  };
+  kind what;
+  std::size_t unit;
+  bool backward;  //!< in the backward phase
+  std::chrono::steady_clock::time_point time;
 };
 
 //! What one call of step() did.
 struct step_report {
   std::uint64_t step = 0;        //!< optimizer steps taken, this one included
   float lr = 0.0f;               //!< learning rate used
-  std::uint64_t bytes_sent = 0;  //!< bytes this rank's engine sent since the previous step()
+  std::uint64_t bytes_sent = 0;  //!< data bytes this rank sent since the previous step() (or set-up)
+  std::uint64_t control_bytes_sent = 0;  //!< bytes of the engine's small control collectives
 };
 
 namespace detail {
@@ -89,8 +135,6 @@ class engine {
   static_assert(is_policy_set<Policies>,
                 "shardkit::engine<Comm, Policies, ...>: Policies must be shardkit::policies<...> "
                 "(or one of the aliases zero0, zero1, zero2, zero3, stage<N>)");
-  static_assert(!Policies::shard_params,
-                "shardkit::engine: ZeRO-3 (ShardParams) is not available in this release");
   static_assert(host_accessible<typename Comm::memory_space>,
                 "shardkit::engine: this engine runs on host memory; include the CUDA engine "
                 "header for a communicator of device memory");
@@ -99,6 +143,7 @@ class engine {
   static constexpr int stage = Policies::stage;
   static constexpr bool shards_optimizer = Policies::shard_optimizer;
   static constexpr bool shards_grads = Policies::shard_grads;
+  static constexpr bool shards_params = Policies::shard_params;
   //! A separate fp32 master copy exists when the working parameters are 16-bit.
   static constexpr bool has_master = !std::is_same_v<Working, float>;
 
@@ -110,15 +155,16 @@ class engine {
   using work_type = typename Comm::work_type;
 
   //! Builds the buffers for `model` and copies its initial values. Collective when
-  //! options.broadcast_init is set.
+  //! options.broadcast_init is set, and under ZeRO-3 when units persist.
   engine(Comm& comm, const model_spec& model, optimizer_options opt = {},
          engine_options options = {})
       : comm_(comm), rank_(comm.rank()), ranks_(comm.size()), opt_(opt), options_(options) {
     validate_options();
     for (const auto& p : model.params()) names_.push_back(p.name);
+    unit_names_ = model.unit_names();
+    unit_starts_ = model.unit_starts();
     const auto numels = model.numels();
-    const auto starts = model.unit_starts();
-    if (!numels.empty() && starts.back() >= numels.size()) {
+    if (!numels.empty() && unit_starts_.back() >= numels.size()) {
       detail::raise("engine: the last unit declared with begin_unit() has no parameters");
     }
     const std::size_t n = static_cast<std::size_t>(ranks_);
@@ -126,22 +172,32 @@ class engine {
       layout_ = flat_layout(numels, {}, 1, 1);
     } else if constexpr (stage == 1) {
       layout_ = flat_layout(numels, {}, n, options_.alignment);
-    } else {
+    } else if constexpr (stage == 2) {
       layout_ = options_.bucket_elems != 0
                     ? flat_layout::bucketed(numels, n, options_.bucket_elems, options_.alignment)
-                    : flat_layout(numels, starts, n, options_.alignment);
+                    : flat_layout(numels, unit_starts_, n, options_.alignment);
+    } else {
+      layout_ = flat_layout(numels, unit_starts_, n, options_.alignment);  // groups = units
+    }
+    param_unit_.resize(numels.size());
+    for (std::size_t u = 0; u < unit_starts_.size(); ++u) {
+      const std::size_t end = u + 1 < unit_starts_.size() ? unit_starts_[u + 1] : numels.size();
+      for (std::size_t i = unit_starts_[u]; i < end; ++i) param_unit_[i] = u;
     }
     param_groups_.reserve(numels.size());
     for (const auto& p : model.params()) param_groups_.push_back(p.param_group);
 
     const std::size_t full = layout_.padded_numel();
     const std::size_t shard = layout_.shard_numel();
-    params_ = buffer<Working>(full, &memory_, memory_category::working_params);
+    params_ =
+        buffer<Working>(shards_params ? shard : full, &memory_, memory_category::working_params);
     grads_ = buffer<Working>(shards_grads ? shard : full, &memory_, memory_category::grads);
     if constexpr (has_master) {
       master_ = buffer<float>(shard, &memory_, memory_category::master_params);
     }
-    for (auto& s : state_) s = buffer<float>(shard, &memory_, memory_category::optimizer_moments);
+    for (auto& st : state_) {
+      st = buffer<float>(shard, &memory_, memory_category::optimizer_moments);
+    }
     seen_.assign(numels.size(), 0);
     if constexpr (shards_grads) {
       std::size_t largest = 0;
@@ -160,6 +216,8 @@ class engine {
     }
     build_runs();
     load_initial(model);
+    if constexpr (shards_params) setup_units(model);
+    sent_at_last_step_ = traffic_.total_bytes_sent();  // step reports exclude set-up traffic
   }
 
   engine(const engine&) = delete;
@@ -167,14 +225,10 @@ class engine {
 
   ~engine() {
     if constexpr (shards_grads) {
-      for (auto& s : staging_) {
-        if (s.work) {
-          try {
-            s.work->wait();
-          } catch (...) {  // the error was or will be reported by the collective's other users
-          }
-        }
-      }
+      for (auto& st : staging_) drain_quietly(st.work);
+    }
+    if constexpr (shards_params) {
+      for (auto& u : units_) drain_quietly(u.gather);
     }
   }
 
@@ -187,16 +241,18 @@ class engine {
     return names_[i];
   }
 
-  //! The working values of parameter i (valid for the engine's lifetime; updated by step()).
+  //! The working values of parameter i. Stages 0-2: valid for the engine's lifetime, updated by
+  //! step(). ZeRO-3: valid between its unit's pre_* and post_* hooks (usage_error otherwise).
   tensor_view<Working> param(std::size_t i) {
     check_index(i, "param");
     const auto& p = layout_.param(i);
-    return {params_.data() + p.offset, p.numel};
+    if constexpr (shards_params)
+      return {gathered_data(i, "param") + p.group_offset, p.numel};
+    else
+      return {params_.data() + p.offset, p.numel};
   }
   tensor_view<const Working> param(std::size_t i) const {
-    check_index(i, "param");
-    const auto& p = layout_.param(i);
-    return {params_.data() + p.offset, p.numel};
+    return const_cast<engine*>(this)->param(i);
   }
 
   //! The gradient buffer of parameter i, to write gradients in place (stages 0 and 1, which
@@ -213,8 +269,8 @@ class engine {
 
   //! Hands over the gradient of parameter i (fp32, bf16 or fp16, host memory, same size as the
   //! parameter). The first gradient of a parameter in a step is copied, later ones (micro-
-  //! batches) are added. ZeRO-2 reduce-scatters a bucket as soon as all its parameters have
-  //! their gradient.
+  //! batches) are added. ZeRO-2/3 reduce-scatter a bucket (unit) as soon as all its parameters
+  //! have their gradient. ZeRO-3: only between the unit's pre_backward and post_backward.
   template <tensor G>
   void grad_ready(std::size_t i, const G& grad) {
     check_index(i, "grad_ready");
@@ -231,6 +287,15 @@ class engine {
     if (g.type != dtype::f32 && g.type != dtype::bf16 && g.type != dtype::f16) {
       detail::raise("engine::grad_ready: the gradient of parameter '", names_[i], "' has ",
                     name(g.type), " elements, expected fp32, bf16 or fp16");
+    }
+    if constexpr (shards_params) {
+      const auto& u = units_[param_unit_[i]];
+      if (u.state != unit_state::backward) {
+        detail::raise<usage_error>("engine::grad_ready: the gradient of parameter '", names_[i],
+                                   "' arrived outside the backward of its unit '",
+                                   unit_names_[param_unit_[i]], "' (call pre_backward(",
+                                   param_unit_[i], ") first, post_backward after)");
+      }
     }
     if (p.numel == 0) return;
     if constexpr (!shards_grads) {
@@ -257,6 +322,7 @@ class engine {
 
   //! Copies the working values of parameter i into `out` (any fp32/bf16/fp16 host tensor of
   //! the parameter's size), for frameworks whose tensors cannot alias the engine's buffers.
+  //! ZeRO-3: only while the parameter's unit is gathered.
   template <tensor T>
   void copy_param_to(std::size_t i, T& out) const {
     check_index(i, "copy_param_to");
@@ -267,8 +333,35 @@ class engine {
                     "tensor of ", p.numel, " elements, got ", o.numel,
                     o.read_only ? " read-only" : "", " elements in ", name(o.space), " memory");
     }
-    host::convert(params_.data() + p.offset, dtype_of<Working>, o.data, o.type, p.numel);
+    host::convert(param(i).data(), dtype_of<Working>, o.data, o.type, p.numel);
   }
+
+  // ----------------------------------------------------------------------------------------
+  // ZeRO-3 unit hooks (no-ops in stages 0-2)
+
+  std::size_t num_units() const noexcept { return unit_starts_.size(); }
+  const std::string& unit_name(std::size_t u) const {
+    check_unit(u, "unit_name");
+    return unit_names_[u];
+  }
+  //! The unit parameter i belongs to.
+  std::size_t unit_of(std::size_t i) const {
+    check_index(i, "unit_of");
+    return param_unit_[i];
+  }
+
+  //! Before unit u's forward: its full parameters are gathered when this returns, and the
+  //! next units' gathers are issued.
+  void pre_forward(std::size_t u) { pre_hook(u, false); }
+  //! After unit u's forward: its gathered parameters are released (unless it persists or was
+  //! declared with reshard_after_forward = false).
+  void post_forward(std::size_t u) { post_hook(u, false); }
+  //! Before unit u's backward: gathers it again (if released) and prefetches the units whose
+  //! backward comes next.
+  void pre_backward(std::size_t u) { pre_hook(u, true); }
+  //! After unit u's backward: all its gradients must have been handed over (grad_ready); its
+  //! gathered parameters are released.
+  void post_backward(std::size_t u) { post_hook(u, true); }
 
   // ----------------------------------------------------------------------------------------
   // The step
@@ -282,7 +375,9 @@ class engine {
     if (!std::isfinite(lr) || lr < 0.0f) {
       detail::raise("engine::step: learning rate must be finite and non-negative, got ", lr);
     }
+    if constexpr (shards_params) check_units_done();
     reduce_gradients();
+    check_schedule();
     const float grad_scale = options_.average_grads ? 1.0f / static_cast<float>(ranks_) : 1.0f;
     ++steps_;
     const auto k = Optimizer::prepare(opt_, steps_, lr, grad_scale);
@@ -290,8 +385,10 @@ class engine {
     gather_params();
     reset_gradients();
     const std::uint64_t sent = traffic_.total_bytes_sent();
-    const step_report rep{steps_, lr, sent - sent_at_last_step_};
+    const std::uint64_t control = control_traffic_.total_bytes_sent();
+    const step_report rep{steps_, lr, sent - sent_at_last_step_, control - control_at_last_step_};
     sent_at_last_step_ = sent;
+    control_at_last_step_ = control;
     return rep;
   }
 
@@ -301,12 +398,17 @@ class engine {
   const flat_layout& layout() const noexcept { return layout_; }
   //! Bytes this rank holds, by category (current and peak).
   const memory_ledger& memory() const noexcept { return memory_; }
-  //! Bytes this engine's collectives sent from this rank (ring volumes), since construction.
+  memory_ledger& memory() noexcept { return memory_; }
+  //! Bytes this engine's data collectives sent from this rank (ring volumes), since
+  //! construction.
   const traffic_ledger& traffic() const noexcept { return traffic_; }
+  //! Bytes of the engine's control collectives (schedule check), since construction.
+  const traffic_ledger& control_traffic() const noexcept { return control_traffic_; }
   std::uint64_t steps_taken() const noexcept { return steps_; }
   int rank() const noexcept { return rank_; }
   int ranks() const noexcept { return ranks_; }
   const optimizer_options& options() const noexcept { return opt_; }
+  const engine_options& settings() const noexcept { return options_; }
 
   //! Model-state bytes per rank that plan/formulas.hpp predicts for this configuration.
   plan::state_bytes expected_state_bytes() const noexcept {
@@ -314,11 +416,31 @@ class engine {
                                    stage == 0 ? layout_.numel() : layout_.shard_numel(),
                                    precision());
   }
-  //! Bytes per rank per step that plan/formulas.hpp predicts for this configuration.
+  //! Data bytes per rank per step (one micro-batch) predicted for this configuration.
   std::uint64_t expected_step_bytes_sent() const noexcept {
-    return plan::step_bytes_sent(stage, layout_.numel(), static_cast<std::uint64_t>(ranks_),
-                                 layout_.shard_numel(), sizeof(Working),
-                                 static_cast<std::uint64_t>(rank_));
+    if constexpr (shards_params) {
+      const std::uint64_t n = static_cast<std::uint64_t>(ranks_);
+      std::uint64_t total = 0;
+      for (std::size_t u = 0; u < units_.size(); ++u) {
+        const std::uint64_t passes =
+            units_[u].persistent ? 2 : (units_[u].reshard_after_forward ? 3 : 2);
+        total += passes * (n - 1) * layout_.group(u).shard * sizeof(Working);
+      }
+      return total;
+    } else {
+      return plan::step_bytes_sent(stage, layout_.numel(), static_cast<std::uint64_t>(ranks_),
+                                   layout_.shard_numel(), sizeof(Working),
+                                   static_cast<std::uint64_t>(rank_));
+    }
+  }
+  //! ZeRO-3: the most gathered-parameter bytes the schedule may hold at once:
+  //! w·((1 + prefetch)·largest non-persistent unit + persistent units + units kept from forward
+  //! to backward), each unit at its padded size N·S_u. 0 in stages 0-2.
+  std::uint64_t gathered_bytes_bound() const noexcept {
+    if constexpr (shards_params)
+      return live_bound_elems() * sizeof(Working);
+    else
+      return 0;
   }
   //! Model-state bytes held now, measured by the ledger.
   plan::state_bytes measured_state_bytes() const noexcept {
@@ -336,9 +458,14 @@ class engine {
   //! master.
   tensor_view<const float> master_shard() const noexcept {
     static_assert(has_master,
-                  "engine::master_shard(): training in fp32 keeps no separate master "
-                  "copy; the working parameters (param(i)) are the fp32 values");
+                  "engine::master_shard(): training in fp32 keeps no separate master copy; the "
+                  "working parameters are the fp32 values");
     return {master_.data(), master_.size()};
+  }
+  //! ZeRO-3: this rank's shard of the working parameters (S elements in shard order).
+  tensor_view<const Working> param_shard() const noexcept {
+    static_assert(shards_params, "engine::param_shard(): only ZeRO-3 shards the parameters");
+    return {params_.data(), params_.size()};
   }
   //! This rank's shard of optimizer state `s` (0 <= s < Optimizer::state_count).
   tensor_view<const float> optimizer_state(std::size_t s) const {
@@ -348,6 +475,10 @@ class engine {
     }
     return {state_[s].data(), state_[s].size()};
   }
+
+  //! ZeRO-3 timeline since construction or the last clear_trace() (engine_options::trace).
+  const std::vector<trace_event>& trace() const noexcept { return trace_; }
+  void clear_trace() noexcept { trace_.clear(); }
 
  private:
   struct run {
@@ -370,8 +501,33 @@ class engine {
     bool filling = false;
     bool accumulate = false;
   };
+  enum class unit_state : std::uint8_t {
+    released,  // only the shard exists
+    inflight,  // all-gather issued, not yet waited for
+    ready,     // gathered, not inside a hook pair
+    forward,   // between pre_forward and post_forward
+    backward,  // between pre_backward and post_backward
+  };
+  struct unit_info {
+    buffer<Working> gathered;  // N·S_u while gathered or in flight
+    std::optional<work_type> gather;
+    unit_state state = unit_state::released;
+    bool persistent = false;
+    bool reshard_after_forward = true;
+    bool kept = false;  // gathered since forward, kept for backward
+    std::size_t completions_at_pre_backward = 0;
+  };
 
   static float lr_of(const optimizer_options& o) { return o.lr; }
+
+  static void drain_quietly(std::optional<work_type>& w) noexcept {
+    if (!w) return;
+    try {
+      w->wait();
+    } catch (...) {  // reported to the caller of the collective's other users
+    }
+    w.reset();
+  }
 
   void validate_options() const {
     if (options_.grad_buffers == 0) {
@@ -406,6 +562,12 @@ class engine {
                     " parameters registered)");
     }
   }
+  void check_unit(std::size_t u, const char* what) const {
+    if (u >= unit_starts_.size()) {
+      detail::raise("engine::", what, ": unit ", u, " out of range (", unit_starts_.size(),
+                    " units declared)");
+    }
+  }
 
   // Runs of this rank's true (non-padding) elements with one parameter group each.
   void build_runs() {
@@ -437,78 +599,97 @@ class engine {
         tmp.resize(p.numel);
         host::convert(src, type, tmp.data(), dtype::f32, p.numel);
         comm_.broadcast(tmp.data(), p.numel, 0);
+        traffic_.record(collective::broadcast,
+                        ring_bytes_sent(collective::broadcast, p.numel, sizeof(float),
+                                        static_cast<std::size_t>(ranks_),
+                                        static_cast<std::size_t>(rank_)));
         src = tmp.data();
         type = dtype::f32;
       }
-      host::convert(src, type, params_.data() + p.offset, dtype_of<Working>, p.numel);
-      if constexpr (has_master) {
-        for (const auto& pc : layout_.pieces_of(i)) {
-          if (static_cast<std::size_t>(pc.rank) != r) continue;
-          host::convert(static_cast<const std::byte*>(src) + pc.param_offset * size_of(type), type,
-                        master_.data() + pc.shard_offset, dtype::f32, pc.count);
+      if constexpr (!shards_params) {
+        host::convert(src, type, params_.data() + p.offset, dtype_of<Working>, p.numel);
+      }
+      for (const auto& pc : layout_.pieces_of(i)) {
+        if (static_cast<std::size_t>(pc.rank) != r) continue;
+        const auto* from = static_cast<const std::byte*>(src) + pc.param_offset * size_of(type);
+        if constexpr (has_master) {
+          host::convert(from, type, master_.data() + pc.shard_offset, dtype::f32, pc.count);
+        }
+        if constexpr (shards_params) {
+          host::convert(from, type, params_.data() + pc.shard_offset, dtype_of<Working>, pc.count);
         }
       }
     }
   }
 
-  void record(collective c, std::size_t count) {
+  void record(collective c, std::size_t count, std::size_t group) {
     traffic_.record(c, ring_bytes_sent(c, count, sizeof(Working), static_cast<std::size_t>(ranks_),
                                        static_cast<std::size_t>(rank_)));
+    schedule_hash_ = detail_hash(schedule_hash_ ^ (static_cast<std::uint64_t>(c) << 56) ^ group);
+  }
+  static std::uint64_t detail_hash(std::uint64_t z) noexcept {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
   }
 
-  // ZeRO-2 buckets -------------------------------------------------------------------------
+  // ZeRO-2/3 buckets ------------------------------------------------------------------------
 
   void open_bucket(std::size_t g, std::size_t param) {
-    staging_slot* s = nullptr;
+    staging_slot* sl = nullptr;
     for (auto& c : staging_) {
       if (!c.filling && !c.work) {
-        s = &c;
+        sl = &c;
         break;
       }
     }
-    if (s == nullptr && !inflight_.empty()) {
-      s = &staging_[inflight_.front()];
-      complete_slot(*s);
+    if (sl == nullptr && !inflight_.empty()) {
+      sl = &staging_[inflight_.front()];
+      complete_slot(*sl);
     }
-    if (s == nullptr) {
+    if (sl == nullptr) {
       std::string open;
       for (const auto& c : staging_) open += (open.empty() ? "" : ", ") + std::to_string(c.group);
       detail::raise<usage_error>(
-          "engine::grad_ready: the gradient of parameter '", names_[param], "' belongs to bucket ",
-          g, ", but all ", staging_.size(), " staging buffer(s) hold incomplete bucket(s) {", open,
+          "engine::grad_ready: the gradient of parameter '", names_[param], "' belongs to ",
+          shards_params ? "unit " : "bucket ", g, ", but all ", staging_.size(),
+          " staging buffer(s) hold incomplete ", shards_params ? "unit(s)" : "bucket(s)", " {",
+          open,
           "}. Hand gradients over bucket by bucket (the last parameters first), raise "
           "engine_options::grad_buffers, or make buckets larger");
     }
     const auto& ge = layout_.group(g);
     if (options_.allow_missing_grads) {
-      std::fill_n(s->full.data(), ge.padded, Working{});
+      std::fill_n(sl->full.data(), ge.padded, Working{});
     } else if (ge.padded > ge.numel) {
-      std::fill_n(s->full.data() + ge.numel, ge.padded - ge.numel, Working{});
+      std::fill_n(sl->full.data() + ge.numel, ge.padded - ge.numel, Working{});
     }
-    s->filling = true;
-    s->group = g;
-    buckets_[g].slot = static_cast<int>(s - staging_.data());
+    sl->filling = true;
+    sl->group = g;
+    buckets_[g].slot = static_cast<int>(sl - staging_.data());
     buckets_[g].reported = 0;
   }
 
   void launch_bucket(std::size_t g) {
     auto& b = buckets_[g];
     const std::size_t idx = static_cast<std::size_t>(b.slot);
-    auto& s = staging_[idx];
+    auto& sl = staging_[idx];
     const auto& ge = layout_.group(g);
     Working* target = grads_.data() + ge.shard_offset;
-    s.accumulate = b.completions > 0;
-    if (s.accumulate) {
-      if (s.scratch.size() < ge.shard) {
+    sl.accumulate = b.completions > 0;
+    if (sl.accumulate) {
+      if (sl.scratch.size() < ge.shard) {
         std::size_t largest = 0;
         for (const auto& x : layout_.groups()) largest = std::max(largest, x.shard);
-        s.scratch = buffer<Working>(largest, &memory_, memory_category::comm_scratch);
+        sl.scratch = buffer<Working>(largest, &memory_, memory_category::comm_scratch);
       }
-      target = s.scratch.data();
+      target = sl.scratch.data();
     }
-    s.work.emplace(comm_.reduce_scatter_async(s.full.data(), target, ge.shard, reduce_op::sum));
-    record(collective::reduce_scatter, ge.shard);
-    s.filling = false;
+    sl.work.emplace(comm_.reduce_scatter_async(sl.full.data(), target, ge.shard, reduce_op::sum));
+    record(collective::reduce_scatter, ge.shard, g);
+    if constexpr (shards_params) note(trace_event::kind::grads_reduced, g, true);
+    sl.filling = false;
     inflight_.push_back(idx);
     ++b.completions;
     b.reported = 0;
@@ -516,17 +697,290 @@ class engine {
     for (std::size_t i = ge.first_param; i < ge.end_param; ++i) seen_[i] = 0;
   }
 
-  void complete_slot(staging_slot& s) {
-    if (!s.work) return;
-    auto w = std::move(*s.work);
-    s.work.reset();
-    std::erase(inflight_, static_cast<std::size_t>(&s - staging_.data()));
+  void complete_slot(staging_slot& sl) {
+    if (!sl.work) return;
+    auto w = std::move(*sl.work);
+    sl.work.reset();
+    std::erase(inflight_, static_cast<std::size_t>(&sl - staging_.data()));
     w.wait();
-    if (s.accumulate) {
-      const auto& ge = layout_.group(s.group);
-      host::accumulate(s.scratch.data(), grads_.data() + ge.shard_offset, ge.shard);
-      s.accumulate = false;
+    if (sl.accumulate) {
+      const auto& ge = layout_.group(sl.group);
+      host::accumulate(sl.scratch.data(), grads_.data() + ge.shard_offset, ge.shard);
+      sl.accumulate = false;
     }
+  }
+
+  // Names up to 8 parameters of group g that have no gradient in the current round.
+  std::string missing_in(std::size_t g, std::size_t& listed) const {
+    std::string missing;
+    const auto& ge = layout_.group(g);
+    for (std::size_t i = ge.first_param; i < ge.end_param && listed < 8; ++i) {
+      if (!seen_[i] && layout_.param(i).numel != 0) {
+        missing += (missing.empty() ? "'" : ", '") + names_[i] + "'";
+        ++listed;
+      }
+    }
+    return missing;
+  }
+
+  // ZeRO-3 units -----------------------------------------------------------------------------
+
+  std::uint64_t unit_padded(std::size_t u) const { return layout_.group(u).padded; }
+
+  std::uint64_t live_bound_elems() const {
+    std::uint64_t largest = 0, fixed = 0;
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      if (units_[u].persistent)
+        fixed += unit_padded(u);
+      else {
+        largest = std::max(largest, unit_padded(u));
+        if (!units_[u].reshard_after_forward) fixed += unit_padded(u);
+      }
+    }
+    std::uint64_t bound = (1 + options_.prefetch) * largest + fixed;
+    if (options_.max_live_elems != 0)
+      bound = std::min<std::uint64_t>(bound, options_.max_live_elems);
+    return bound;
+  }
+
+  void setup_units(const model_spec& model) {
+    const auto uopts = model.units_options();
+    units_.resize(unit_starts_.size());
+    std::uint64_t persistent_elems = 0, largest = 0;
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      units_[u].reshard_after_forward = uopts[u].reshard_after_forward;
+      units_[u].persistent = layout_.group(u).numel < options_.persist_below;
+      if (units_[u].persistent)
+        persistent_elems += unit_padded(u);
+      else
+        largest = std::max(largest, unit_padded(u));
+    }
+    if (options_.max_live_elems != 0 && largest + persistent_elems > options_.max_live_elems) {
+      std::size_t big = 0;
+      while (units_[big].persistent || unit_padded(big) != largest) ++big;
+      detail::raise("engine: engine_options::max_live_elems = ", options_.max_live_elems,
+                    " cannot hold unit '", unit_names_[big], "' (", largest,
+                    " elements gathered, padded to N·S_u) plus the persistent units (",
+                    persistent_elems,
+                    " elements); raise the limit, split the unit, or lower "
+                    "persist_below");
+    }
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      forward_order_.push_back(u);
+      backward_order_.push_back(units_.size() - 1 - u);
+    }
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      if (units_[u].persistent) issue_gather(u, false);
+    }
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      if (units_[u].persistent) finish_gather(u, false);
+    }
+  }
+
+  std::uint64_t live_elems() const {
+    std::uint64_t e = 0;
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      if (units_[u].state != unit_state::released) e += unit_padded(u);
+    }
+    return e;
+  }
+  // Non-persistent, non-kept units currently gathered or in flight.
+  std::size_t live_transient() const {
+    std::size_t c = 0;
+    for (const auto& x : units_) {
+      if (!x.persistent && !x.kept && x.state != unit_state::released) ++c;
+    }
+    return c;
+  }
+
+  void note(trace_event::kind k, std::size_t u, bool backward,
+            std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now()) {
+    if (options_.trace) trace_.push_back(trace_event{k, u, backward, t});
+  }
+
+  void issue_gather(std::size_t u, bool backward) {
+    auto& x = units_[u];
+    const auto& ge = layout_.group(u);
+    x.gathered = buffer<Working>(ge.padded, &memory_, memory_category::gathered_params);
+    x.state = unit_state::inflight;
+    if (ge.shard != 0) {
+      x.gather.emplace(
+          comm_.all_gather_async(params_.data() + ge.shard_offset, x.gathered.data(), ge.shard));
+      record(collective::all_gather, ge.shard, u);
+    }
+    note(trace_event::kind::gather_issued, u, backward);
+  }
+
+  void finish_gather(std::size_t u, bool backward) {
+    auto& x = units_[u];
+    if (x.state != unit_state::inflight) return;
+    if (x.gather) {
+      auto w = std::move(*x.gather);
+      x.gather.reset();
+      w.wait();
+      if constexpr (requires { w.completion_time(); }) {
+        note(trace_event::kind::gather_completed, u, backward, w.completion_time());
+      } else {
+        note(trace_event::kind::gather_completed, u, backward);
+      }
+    } else {
+      note(trace_event::kind::gather_completed, u, backward);
+    }
+    x.state = unit_state::ready;
+  }
+
+  void release(std::size_t u, bool backward) {
+    auto& x = units_[u];
+    drain_quietly(x.gather);
+    x.gathered.release();
+    x.state = unit_state::released;
+    x.kept = false;
+    note(trace_event::kind::released, u, backward);
+  }
+
+  // Issues the gathers of the units that follow u in the previous step's hook order (the
+  // declared order in the first step). A cursor follows the order, so units that appear several
+  // times (micro-batches) prefetch what came after this occurrence.
+  void prefetch_after(std::size_t u, bool backward) {
+    const auto& order = backward ? backward_order_ : forward_order_;
+    std::size_t& cursor = backward ? backward_cursor_ : forward_cursor_;
+    auto pos = order.end();
+    if (cursor < order.size())
+      pos = std::find(order.begin() + static_cast<std::ptrdiff_t>(cursor), order.end(), u);
+    if (pos == order.end()) pos = std::find(order.begin(), order.end(), u);
+    if (pos == order.end()) return;
+    cursor = static_cast<std::size_t>(pos - order.begin()) + 1;
+    if (options_.prefetch == 0) return;
+    std::size_t issued = 0;
+    for (auto it = pos + 1; it != order.end() && issued < options_.prefetch; ++it) {
+      const std::size_t v = *it;
+      auto& x = units_[v];
+      if (x.persistent || x.state != unit_state::released) {
+        if (!x.persistent) ++issued;  // already live: counts toward the depth
+        continue;
+      }
+      if (live_transient() >= 1 + options_.prefetch) break;
+      if (options_.max_live_elems != 0 && live_elems() + unit_padded(v) > options_.max_live_elems) {
+        break;
+      }
+      issue_gather(v, backward);
+      ++issued;
+    }
+  }
+
+  void pre_hook(std::size_t u, bool backward) {
+    check_unit(u, backward ? "pre_backward" : "pre_forward");
+    if constexpr (shards_params) {
+      auto& x = units_[u];
+      const char* hook = backward ? "pre_backward" : "pre_forward";
+      if (x.state == unit_state::forward || x.state == unit_state::backward) {
+        detail::raise<usage_error>(
+            "engine::", hook, "(", u, "): unit '", unit_names_[u], "' is already in its ",
+            x.state == unit_state::forward ? "forward" : "backward", " (gathered twice: call post_",
+            x.state == unit_state::forward ? "forward" : "backward", "(", u, ") first)");
+      }
+      (backward ? seen_backward_ : seen_forward_).push_back(u);
+      if (x.state == unit_state::released) {
+        if (options_.max_live_elems != 0 &&
+            live_elems() + unit_padded(u) > options_.max_live_elems) {
+          detail::raise<usage_error>(
+              "engine::", hook, "(", u, "): gathering unit '", unit_names_[u], "' (",
+              unit_padded(u), " elements) would exceed max_live_elems = ", options_.max_live_elems,
+              " with ", live_elems(),
+              " elements already gathered; call the post_* hooks of finished units first");
+        }
+        issue_gather(u, backward);
+      }
+      finish_gather(u, backward);
+      x.state = backward ? unit_state::backward : unit_state::forward;
+      if (backward) {
+        x.kept = false;
+        x.completions_at_pre_backward = buckets_[u].completions;
+      }
+      prefetch_after(u, backward);
+      note(trace_event::kind::compute_started, u, backward);
+    }
+  }
+
+  void post_hook(std::size_t u, bool backward) {
+    check_unit(u, backward ? "post_backward" : "post_forward");
+    if constexpr (shards_params) {
+      auto& x = units_[u];
+      const auto want = backward ? unit_state::backward : unit_state::forward;
+      if (x.state != want) {
+        detail::raise<usage_error>("engine::", backward ? "post_backward" : "post_forward", "(", u,
+                                   "): unit '", unit_names_[u], "' is not in its ",
+                                   backward ? "backward" : "forward", " (call ",
+                                   backward ? "pre_backward" : "pre_forward", "(", u, ") first)");
+      }
+      note(trace_event::kind::compute_ended, u, backward);
+      if (backward) {
+        auto& b = buckets_[u];
+        if (b.expected > 0 && (b.slot >= 0 || b.completions == x.completions_at_pre_backward)) {
+          if (!options_.allow_missing_grads) {
+            std::size_t listed = 0;
+            const std::string missing = missing_in(u, listed);
+            detail::raise<usage_error>(
+                "engine::post_backward(", u, "): unit '", unit_names_[u],
+                "' finished its backward without the gradients of ", missing,
+                listed == 8 ? ", ..." : "",
+                " (hand every gradient to grad_ready() before post_backward, or set "
+                "engine_options::allow_missing_grads)");
+          }
+          if (b.slot < 0) open_bucket(u, layout_.group(u).first_param);
+          launch_bucket(u);
+        }
+        if (x.persistent)
+          x.state = unit_state::ready;
+        else
+          release(u, true);
+      } else {
+        if (x.persistent) {
+          x.state = unit_state::ready;
+        } else if (!x.reshard_after_forward) {
+          x.state = unit_state::ready;
+          x.kept = true;
+        } else {
+          release(u, false);
+        }
+      }
+    }
+  }
+
+  void check_units_done() {
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      const auto& x = units_[u];
+      if (x.state == unit_state::forward || x.state == unit_state::backward) {
+        detail::raise<usage_error>(
+            "engine::step: unit '", unit_names_[u], "' is still in its ",
+            x.state == unit_state::forward ? "forward" : "backward", " (call post_",
+            x.state == unit_state::forward ? "forward" : "backward", "(", u, ") before step())");
+      }
+    }
+    if (options_.allow_missing_grads) return;
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      if (buckets_[u].expected > 0 && buckets_[u].completions == 0) {
+        detail::raise<usage_error>("engine::step: unit '", unit_names_[u],
+                                   "' has not finished a backward in this step (call "
+                                   "pre_backward(",
+                                   u,
+                                   "), hand over its gradients, "
+                                   "post_backward(",
+                                   u, ") before step())");
+      }
+    }
+  }
+
+  Working* gathered_data(std::size_t i, const char* what) {
+    const std::size_t u = param_unit_[i];
+    auto& x = units_[u];
+    if (x.state == unit_state::released || x.state == unit_state::inflight) {
+      detail::raise<usage_error>("engine::", what, "(", i, "): parameter '", names_[i],
+                                 "' belongs to unit '", unit_names_[u],
+                                 "', which is not gathered (ZeRO-3: use it between pre_forward(", u,
+                                 ")/post_forward or pre_backward/post_backward)");
+    }
+    return x.gathered.data();
   }
 
   // Step phases ----------------------------------------------------------------------------
@@ -535,16 +989,17 @@ class engine {
     if constexpr (stage == 0) {
       if (ranks_ > 1 && layout_.numel() != 0) {
         comm_.all_reduce(grads_.data(), grads_.data(), layout_.numel(), reduce_op::sum);
-        record(collective::all_reduce, layout_.numel());
+        record(collective::all_reduce, layout_.numel(), 0);
       }
     } else if constexpr (stage == 1) {
       std::vector<work_type> works;
-      for (const auto& g : layout_.groups()) {
-        if (g.shard == 0) continue;
-        Working* base = grads_.data() + g.offset;
+      for (std::size_t g = 0; g < layout_.num_groups(); ++g) {
+        const auto& ge = layout_.group(g);
+        if (ge.shard == 0) continue;
+        Working* base = grads_.data() + ge.offset;
         works.push_back(comm_.reduce_scatter_async(
-            base, base + static_cast<std::size_t>(rank_) * g.shard, g.shard, reduce_op::sum));
-        record(collective::reduce_scatter, g.shard);
+            base, base + static_cast<std::size_t>(rank_) * ge.shard, ge.shard, reduce_op::sum));
+        record(collective::reduce_scatter, ge.shard, g);
       }
       for (auto& w : works) w.wait();
     } else {
@@ -553,45 +1008,61 @@ class engine {
       std::size_t listed = 0;
       for (std::size_t g = 0; g < buckets_.size(); ++g) {
         auto& b = buckets_[g];
-        const auto& ge = layout_.group(g);
         const bool incomplete = b.slot >= 0 || (b.completions == 0 && b.expected > 0);
         if (!incomplete) continue;
         if (options_.allow_missing_grads) {
-          if (b.slot < 0) open_bucket(g, ge.first_param);
+          if (b.slot < 0) open_bucket(g, layout_.group(g).first_param);
           launch_bucket(g);
           continue;
         }
-        for (std::size_t i = ge.first_param; i < ge.end_param && listed < 8; ++i) {
-          if (!seen_[i] && layout_.param(i).numel != 0) {
-            missing += (missing.empty() ? "'" : ", '") + names_[i] + "'";
-            ++listed;
-          }
-        }
+        const std::string m = missing_in(g, listed);
+        if (!m.empty()) missing += (missing.empty() ? "" : ", ") + m;
       }
       if (!missing.empty()) {
         detail::raise<usage_error>(
-            "engine::step: ZeRO-2 needs every parameter's gradient through grad_ready() before "
-            "step(); missing: ",
+            "engine::step: ZeRO-", stage,
+            " needs every parameter's gradient through grad_ready() before step(); missing: ",
             missing, listed == 8 ? ", ..." : "",
             " (set engine_options::allow_missing_grads to treat them as zero)");
       }
-      for (auto& s : staging_) complete_slot(s);
+      for (auto& sl : staging_) complete_slot(sl);
+    }
+  }
+
+  // ZeRO-2/3: all ranks must have issued the same collectives (same buckets/units, same order).
+  void check_schedule() {
+    if constexpr (shards_grads) {
+      if (!options_.check_schedule || ranks_ == 1) return;
+      std::uint64_t v[2] = {schedule_hash_, ~schedule_hash_};
+      comm_.all_reduce(v, v, 2, reduce_op::max);
+      control_traffic_.record(
+          collective::all_reduce,
+          ring_bytes_sent(collective::all_reduce, 2, sizeof(std::uint64_t),
+                          static_cast<std::size_t>(ranks_), static_cast<std::size_t>(rank_)));
+      if (v[0] != schedule_hash_ || v[1] != ~schedule_hash_) {
+        reset_gradients();
+        detail::raise<usage_error>(
+            "engine::step: the ranks issued the engine's collectives in different orders in this "
+            "step (different buckets or units, or hooks called in a different order); the step "
+            "was not applied. Every rank must hand over gradients and call the unit hooks in the "
+            "same order");
+      }
     }
   }
 
   void run_optimizer(const typename Optimizer::constants& k) {
     for (const auto& r : runs_) {
-      float* state[Optimizer::state_count];
+      float* st[Optimizer::state_count];
       for (std::size_t s = 0; s < Optimizer::state_count; ++s) {
-        state[s] = state_[s].data() + r.shard_offset;
+        st[s] = state_[s].data() + r.shard_offset;
       }
       const Working* g =
           shards_grads ? grads_.data() + r.shard_offset : grads_.data() + r.full_offset;
+      Working* working = params_.data() + (shards_params ? r.shard_offset : r.full_offset);
       if constexpr (has_master) {
-        host::fused_step<Optimizer>(k, master_.data() + r.shard_offset, state, g,
-                                    params_.data() + r.full_offset, r.count);
+        host::fused_step<Optimizer>(k, master_.data() + r.shard_offset, st, g, working, r.count);
       } else {
-        host::fused_step<Optimizer, Working, Working>(k, params_.data() + r.full_offset, state, g,
+        host::fused_step<Optimizer, Working, Working>(k, working, st, g,
                                                       static_cast<Working*>(nullptr), r.count);
       }
     }
@@ -600,14 +1071,28 @@ class engine {
   void gather_params() {
     if constexpr (stage == 1 || stage == 2) {
       std::vector<work_type> works;
-      for (const auto& g : layout_.groups()) {
-        if (g.shard == 0) continue;
-        Working* base = params_.data() + g.offset;
-        works.push_back(comm_.all_gather_async(base + static_cast<std::size_t>(rank_) * g.shard,
-                                               base, g.shard));
-        record(collective::all_gather, g.shard);
+      for (std::size_t g = 0; g < layout_.num_groups(); ++g) {
+        const auto& ge = layout_.group(g);
+        if (ge.shard == 0) continue;
+        Working* base = params_.data() + ge.offset;
+        works.push_back(comm_.all_gather_async(base + static_cast<std::size_t>(rank_) * ge.shard,
+                                               base, ge.shard));
+        record(collective::all_gather, ge.shard, g);
       }
       for (auto& w : works) w.wait();
+    } else if constexpr (stage == 3) {
+      // Units prefetched but never used are released; persistent units are gathered anew.
+      for (std::size_t u = 0; u < units_.size(); ++u) {
+        if (units_[u].persistent) {
+          release(u, false);
+          issue_gather(u, false);
+        } else if (units_[u].state != unit_state::released) {
+          release(u, false);
+        }
+      }
+      for (std::size_t u = 0; u < units_.size(); ++u) {
+        if (units_[u].persistent) finish_gather(u, false);
+      }
     }
   }
 
@@ -615,12 +1100,26 @@ class engine {
     grads_.zero();
     std::fill(seen_.begin(), seen_.end(), 0);
     if constexpr (shards_grads) {
+      for (auto& sl : staging_) {
+        drain_quietly(sl.work);
+        sl.filling = false;
+        sl.accumulate = false;
+      }
+      inflight_.clear();
       for (auto& b : buckets_) {
         b.completions = 0;
         b.reported = 0;
         b.slot = -1;
       }
     }
+    if constexpr (shards_params) {
+      if (!seen_forward_.empty()) forward_order_ = seen_forward_;
+      if (!seen_backward_.empty()) backward_order_ = seen_backward_;
+      seen_forward_.clear();
+      seen_backward_.clear();
+      forward_cursor_ = backward_cursor_ = 0;
+    }
+    schedule_hash_ = 0;
   }
 
   Comm& comm_;
@@ -629,10 +1128,14 @@ class engine {
   optimizer_options opt_;
   engine_options options_;
   std::vector<std::string> names_;
+  std::vector<std::string> unit_names_;
+  std::vector<std::size_t> unit_starts_;
+  std::vector<std::size_t> param_unit_;
   std::vector<std::size_t> param_groups_;
   flat_layout layout_;
   memory_ledger memory_;
   traffic_ledger traffic_;
+  traffic_ledger control_traffic_;
   buffer<Working> params_;
   buffer<Working> grads_;
   [[no_unique_address]] detail::present_if<has_master, buffer<float>> master_;
@@ -642,8 +1145,15 @@ class engine {
   [[no_unique_address]] detail::present_if<shards_grads, std::vector<bucket_state>> buckets_;
   [[no_unique_address]] detail::present_if<shards_grads, std::vector<staging_slot>> staging_;
   [[no_unique_address]] detail::present_if<shards_grads, std::vector<std::size_t>> inflight_;
+  [[no_unique_address]] detail::present_if<shards_params, std::vector<unit_info>> units_;
+  std::vector<std::size_t> forward_order_, backward_order_;  // prefetch order (last step's)
+  std::vector<std::size_t> seen_forward_, seen_backward_;    // this step's hook order
+  std::size_t forward_cursor_ = 0, backward_cursor_ = 0;     // position in the orders
+  std::vector<trace_event> trace_;
+  std::uint64_t schedule_hash_ = 0;
   std::uint64_t steps_ = 0;
   std::uint64_t sent_at_last_step_ = 0;
+  std::uint64_t control_at_last_step_ = 0;
 };
 
 SHARDKIT_NAMESPACE_END

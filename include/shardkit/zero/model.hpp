@@ -28,6 +28,14 @@
 
 SHARDKIT_NAMESPACE_BEGIN
 
+//! Per-unit settings (ZeRO-3).
+struct unit_options {
+  //! Release the unit's gathered parameters after its forward (true), or keep them until its
+  //! backward (false: one all-gather fewer per step, the unit's full parameters stay in memory
+  //! between forward and backward).
+  bool reshard_after_forward = true;
+};
+
 class model_spec {
  public:
   struct param {
@@ -60,10 +68,11 @@ class model_spec {
 
   //! The next parameter added starts a new unit (ZeRO-3 gathers and releases per unit).
   //! Without any call, the whole model is one unit.
-  model_spec& begin_unit(std::string name = {}) {
+  model_spec& begin_unit(std::string name = {}, unit_options options = {}) {
     if (!unit_starts_.empty() && unit_starts_.back() == params_.size()) {
       if (params_.empty() && unit_starts_.size() == 1) {  // naming the first unit
-        unit_names_.back() = std::move(name);
+        if (!name.empty()) unit_names_.back() = std::move(name);
+        unit_options_.back() = options;
         return *this;
       }
       detail::raise("model_spec::begin_unit: unit '", unit_names_.back(),
@@ -71,6 +80,7 @@ class model_spec {
     }
     unit_starts_.push_back(params_.size());
     unit_names_.push_back(name.empty() ? "unit" + std::to_string(unit_names_.size()) : name);
+    unit_options_.push_back(options);
     return *this;
   }
 
@@ -86,6 +96,10 @@ class model_spec {
   std::vector<std::string> unit_names() const {
     if (unit_names_.empty()) return {"unit0"};
     return unit_names_;
+  }
+  std::vector<unit_options> units_options() const {
+    if (unit_options_.empty()) return {unit_options{}};
+    return unit_options_;
   }
   std::size_t num_units() const noexcept { return unit_starts_.empty() ? 1 : unit_starts_.size(); }
   bool has_units() const noexcept { return unit_starts_.size() > 1; }
@@ -115,6 +129,7 @@ class model_spec {
     if (unit_starts_.empty()) {
       unit_starts_.push_back(0);
       unit_names_.push_back("unit0");
+      unit_options_.push_back({});
     }
     params_.push_back(param{std::move(name), numel, v, param_group});
     return params_.size() - 1;
@@ -123,6 +138,7 @@ class model_spec {
   std::vector<param> params_;
   std::vector<std::size_t> unit_starts_;
   std::vector<std::string> unit_names_;
+  std::vector<unit_options> unit_options_;
 };
 
 SHARDKIT_NAMESPACE_END
