@@ -24,6 +24,13 @@
 #define SHARDKIT_FORCEINLINE inline
 #endif
 
+//! Forces inlining of a lambda into its caller (host code).
+#if defined(__GNUC__) || defined(__clang__)
+#define SHARDKIT_DETAIL_ALWAYS_INLINE_LAMBDA __attribute__((always_inline))
+#else
+#define SHARDKIT_DETAIL_ALWAYS_INLINE_LAMBDA
+#endif
+
 //! Everything lives in `shardkit::v0` (an inline namespace), so that binaries built against
 //! different, ABI-incompatible releases fail to link instead of silently mixing layouts.
 #define SHARDKIT_NAMESPACE_BEGIN \

@@ -5,6 +5,7 @@
 
 #include <shardkit/core/dtype.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -55,25 +56,43 @@ double round_to(double x) {
 
 //! FACTS.md's Adam(W), unsharded, in double.
 struct adam {
-  double lr, beta1, beta2, eps, weight_decay;
+  struct hyper {
+    double lr, beta1, beta2, eps, weight_decay;
+  };
+  std::vector<hyper> groups;       // per parameter group
+  std::vector<std::size_t> group;  // per element
   bool decoupled;
   std::vector<double> p, m, v;
   int t = 0;
 
-  void step(const std::vector<double>& g_in) {
+  //! One step with gradient g_in; every group's lr is scaled by lr_scale.
+  void step(const std::vector<double>& g_in, double lr_scale = 1.0) {
     ++t;
-    const double bc1 = 1 - std::pow(beta1, t), bc2 = 1 - std::pow(beta2, t);
     for (std::size_t k = 0; k < p.size(); ++k) {
+      const hyper& h = groups[group[k]];
+      const double bc1 = 1 - std::pow(h.beta1, t), bc2 = 1 - std::pow(h.beta2, t);
       double g = g_in[k];
-      if (!decoupled) g += weight_decay * p[k];
-      m[k] = beta1 * m[k] + (1 - beta1) * g;
-      v[k] = beta2 * v[k] + (1 - beta2) * g * g;
-      double upd = (m[k] / bc1) / (std::sqrt(v[k] / bc2) + eps);
-      if (decoupled) upd += weight_decay * p[k];
-      p[k] -= lr * upd;
+      if (!decoupled) g += h.weight_decay * p[k];
+      m[k] = h.beta1 * m[k] + (1 - h.beta1) * g;
+      v[k] = h.beta2 * v[k] + (1 - h.beta2) * g * g;
+      double upd = (m[k] / bc1) / (std::sqrt(v[k] / bc2) + h.eps);
+      if (decoupled) upd += h.weight_decay * p[k];
+      p[k] -= h.lr * lr_scale * upd;
     }
   }
 };
+
+//! Global L2 norm and largest magnitude of a gradient.
+inline double l2_norm(const std::vector<double>& g) {
+  double s = 0;
+  for (double x : g) s += x * x;
+  return std::sqrt(s);
+}
+inline double inf_norm(const std::vector<double>& g) {
+  double s = 0;
+  for (double x : g) s = std::max(s, std::fabs(x));
+  return s;
+}
 
 //! FACTS.md: bytes of model state per rank, with S the padded shard and N·S the padded full
 //! buffer. w: bytes per working parameter and gradient; master: 4 or 0; k: optimizer state.

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -89,6 +90,15 @@ struct run_config {
       .lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-8f, .weight_decay = 0.05f};
   double tolerance = 1e-6;               // max |p - reference|
   std::vector<bool> keep_after_forward;  // ZeRO-3: units declared reshard_after_forward = false
+  //! Parameter groups: parameter i uses groups[i % groups.size()] (empty: `adam` for all).
+  std::vector<shardkit::adam_options> groups;
+  //! Learning-rate schedule (factor for step t); empty: none.
+  std::function<float(std::uint64_t)> schedule;
+  //! Declare micro-batches with begin_micro_batch (the step then averages over them).
+  bool declare_micro_batches = false;
+  //! Step at which rank `inject_rank` hands over an infinite gradient (0: never).
+  int inject_inf_step = 0;
+  int inject_rank = 0;
 };
 
 template <class World, class Policies, class W, class Opt>
@@ -115,6 +125,9 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
         ref_p.push_back(init[i].back());
       }
     }
+    const std::vector<shardkit::adam_options> groups =
+        cfg.groups.empty() ? std::vector<shardkit::adam_options>{cfg.adam} : cfg.groups;
+    auto group_of = [&](std::size_t i) { return i % groups.size(); };
     shardkit::model_spec model;
     std::size_t next_unit = 0;
     for (std::size_t i = 0; i < P; ++i) {
@@ -125,14 +138,26 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
         model.begin_unit("", shardkit::unit_options{.reshard_after_forward = !keep});
         ++next_unit;
       }
-      model.add("p" + std::to_string(i), init[i]);
+      model.add("p" + std::to_string(i), init[i], group_of(i));
     }
     const auto traffic0 = c.traffic();
-    engine_t eng(c, model, cfg.adam, cfg.options);
+    shardkit::engine_options eo = cfg.options;
+    if (std::is_same_v<W, shardkit::fp16> && !eo.loss_scale) {
+      eo.loss_scale = shardkit::loss_scale_options{.init_scale = 1024.0f};  // fits fp16 sums
+    }
+    engine_t eng(c, model, shardkit::param_groups<shardkit::adam_options>(groups), eo);
+    if (cfg.schedule) eng.set_lr_schedule(cfg.schedule);
     const std::uint64_t psi = ref_p.size();
-    ref::adam reference{cfg.adam.lr,  cfg.adam.beta1,           cfg.adam.beta2,
-                        cfg.adam.eps, cfg.adam.weight_decay,    decoupled,
-                        ref_p,        std::vector<double>(psi), std::vector<double>(psi)};
+    ref::adam reference;
+    reference.decoupled = decoupled;
+    reference.p = ref_p;
+    reference.m.assign(psi, 0.0);
+    reference.v.assign(psi, 0.0);
+    for (const auto& o : groups) {
+      reference.groups.push_back({o.lr, o.beta1, o.beta2, o.eps, o.weight_decay});
+    }
+    for (std::size_t i = 0; i < P; ++i)
+      reference.group.insert(reference.group.end(), mc.sizes[i], group_of(i));
 
     // Shard size and per-group sizes from the specification, not from the engine.
     const std::uint64_t n = static_cast<std::uint64_t>(N);
@@ -175,8 +200,31 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
         if (units[u].kept) fixed_live += units[u].padded;
       }
     }
+    // Everything a skipped step must leave untouched, bit for bit.
+    auto snapshot = [&] {
+      std::vector<std::uint64_t> v{eng.steps_taken()};
+      if constexpr (engine_t::has_master) {
+        for (float x : eng.master_shard()) v.push_back(std::bit_cast<std::uint32_t>(x));
+      }
+      for (std::size_t s = 0; s < Opt::state_count; ++s) {
+        for (float x : eng.optimizer_state(s)) v.push_back(std::bit_cast<std::uint32_t>(x));
+      }
+      if constexpr (stage == 3) {
+        for (auto x : eng.param_shard()) v.push_back(bits(x));
+      } else {
+        for (std::size_t i = 0; i < P; ++i) {
+          for (auto x : eng.param(i)) v.push_back(bits(x));
+        }
+      }
+      return v;
+    };
+    const int K = cfg.micro_batches;
     for (int t = 1; t <= cfg.steps; ++t) {
-      for (int mb = 0; mb < cfg.micro_batches; ++mb) {
+      const bool inject = t == cfg.inject_inf_step;
+      const auto before = inject ? snapshot() : std::vector<std::uint64_t>{};
+      const auto comm_before = c.traffic();
+      for (int mb = 0; mb < K; ++mb) {
+        if (cfg.declare_micro_batches) eng.begin_micro_batch(mb + 1 == K);
         // Forward: the hooks gather (ZeRO-3) and are no-ops otherwise.
         for (std::size_t u = 0; u < U; ++u) {
           eng.pre_forward(u);
@@ -191,12 +239,18 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
           for (std::size_t i = e; i-- > b;) {
             g.resize(mc.sizes[i]);
             for (std::size_t k = 0; k < g.size(); ++k) {
-              g[k] = ref::grad_value(t, c.rank(), i, k, mb);
+              // as a framework would: gradients of the loss times the engine's loss scale
+              g[k] = ref::grad_value(t, c.rank(), i, k, mb) * eng.loss_scale();
             }
+            if (inject && c.rank() == cfg.inject_rank && mb == 0 && !g.empty()) g[0] = INFINITY;
             eng.grad_ready(i, g);
           }
           eng.post_backward(u);
         }
+      }
+      if (stage <= 1 && cfg.declare_micro_batches) {
+        check(c.traffic().since(comm_before).total_bytes_sent() == 0, "stage ", stage,
+              " communicated before the last micro-batch's step()");
       }
       const auto rep = eng.step();
       if (stage == 3) {
@@ -206,7 +260,14 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
             " bytes of gathered parameters are held; only the persistent units' ",
             persistent_live * w, " should be");
       }
-      if (cfg.micro_batches == 1) {
+      if (inject) {
+        check(rep.skipped, "step ", t, " with an infinite gradient on rank ", cfg.inject_rank,
+              " was not skipped");
+        check(snapshot() == before, "a skipped step changed the engine's state");
+        continue;  // the reference skips it too
+      }
+      check(!rep.skipped, "step ", t, " was skipped without an overflow");
+      if (K == 1) {
         std::uint64_t want =
             ref::facts_step_bytes(stage, psi, n, S, w, static_cast<std::uint64_t>(c.rank()));
         if (stage == 3) {  // persistent and kept units skip one all-gather per step
@@ -219,7 +280,7 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
       }
       // The reference's gradient: per element, the data-parallel mean of what the ranks
       // contributed, with the 16-bit roundings the specification prescribes (local
-      // accumulation in W for stages 0/1, reduce then accumulate for stage 2).
+      // accumulation in W for stages 0/1, reduce then accumulate for stages 2/3).
       std::vector<double> mean(psi);
       std::size_t flat = 0;
       for (std::size_t i = 0; i < P; ++i) {
@@ -228,23 +289,40 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
           if (stage <= 1) {  // local accumulation, then one reduction
             for (int r = 0; r < N; ++r) {
               double local = ref::grad_value(t, r, i, k, 0);
-              for (int mb = 1; mb < cfg.micro_batches; ++mb) {
+              for (int mb = 1; mb < K; ++mb) {
                 local = ref::round_to<W>(local + ref::grad_value(t, r, i, k, mb));
               }
               total += local;
             }
             total = ref::round_to<W>(total);
           } else {
-            for (int mb = 0; mb < cfg.micro_batches; ++mb) {
+            for (int mb = 0; mb < K; ++mb) {
               double s = 0;
               for (int r = 0; r < N; ++r) s += ref::grad_value(t, r, i, k, mb);
               total = mb == 0 ? ref::round_to<W>(s) : ref::round_to<W>(total + ref::round_to<W>(s));
             }
           }
-          mean[flat] = cfg.options.average_grads ? total / N : total;
+          double m = cfg.options.average_grads ? total / N : total;
+          if (cfg.declare_micro_batches && cfg.options.average_grads) m /= K;
+          mean[flat] = m;
         }
       }
-      reference.step(mean);
+      const double ref_norm = ref::l2_norm(mean), ref_inf = ref::inf_norm(mean);
+      if (cfg.options.report_grad_norm) {
+        check(std::fabs(rep.grad_norm - ref_norm) <= 1e-6 * ref_norm, "step ", t,
+              " reports the gradient norm ", rep.grad_norm, "; the reference norm is ", ref_norm);
+        check(std::fabs(rep.grad_inf_norm - ref_inf) <= 1e-6 * ref_inf, "step ", t,
+              " reports the inf-norm ", rep.grad_inf_norm, "; the reference is ", ref_inf);
+      }
+      if (cfg.options.clip_grad_norm > 0.0f) {
+        const double norm =
+            cfg.options.clip_norm == shardkit::grad_norm_kind::l2 ? ref_norm : ref_inf;
+        const double coef = std::min(1.0, cfg.options.clip_grad_norm / (norm + 1e-6));
+        check(std::fabs(rep.clip_coef - coef) <= 1e-6 * coef, "step ", t, " clipped by ",
+              rep.clip_coef, "; the reference clips by ", coef);
+        for (auto& x : mean) x *= coef;
+      }
+      reference.step(mean, cfg.schedule ? cfg.schedule(reference.t + 1) : 1.0);
     }
 
     // Parameters: the working copy (full, on every rank) and the fp32 master.

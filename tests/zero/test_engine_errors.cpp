@@ -149,7 +149,7 @@ TEST_CASE("bad engine options and hyper-parameters", "[engine][errors]") {
   engine_options zero_align;
   zero_align.alignment = 0;
   REQUIRE_THAT(make(zero_align, {})[0], Catch::Contains("alignment must be at least 1"));
-  REQUIRE_THAT(make({}, {.lr = -1.0f})[0], Catch::Contains("learning rate"));
+  REQUIRE_THAT(make({}, {.lr = -1.0f})[0], Catch::Contains("learning rate of parameter group 0"));
   REQUIRE_THAT(make({}, {.beta1 = 1.0f})[0], Catch::Contains("betas must lie in [0, 1)"));
   REQUIRE_THAT(make({}, {.eps = 0.0f})[0], Catch::Contains("eps must be positive"));
   for (const auto& msg : errors_per_rank(2, [](thread_comm& c) {
@@ -157,7 +157,7 @@ TEST_CASE("bad engine options and hyper-parameters", "[engine][errors]") {
          host_engine<zero1> e(c, small_model(st));
          e.step(NAN);
        })) {
-    REQUIRE_THAT(msg, Catch::Contains("learning rate must be finite"));
+    REQUIRE_THAT(msg, Catch::Contains("learning-rate scale must be finite"));
   }
 }
 

@@ -116,7 +116,7 @@ TEST_CASE("without prefetch, a unit is gathered only when its hook asks", "[zero
     return std::pair{issued, e.memory().peak(memory_category::gathered_params)};
   });
   for (auto [issued, peak] : r) {
-    CHECK(issued == 8);                  // each unit once in forward, once in backward
+    CHECK(issued == 8);                 // each unit once in forward, once in backward
     CHECK(peak == 104 * sizeof(bf16));  // one unit (103 elements padded to 104) at a time
   }
 }
@@ -177,7 +177,8 @@ TEST_CASE("misused hooks raise usage_error on every rank", "[zero3][errors]") {
   }
   SECTION("parameters read outside their unit's hooks") {
     for (const auto& m : misuse([](z3_engine& e) { (void)e.param(2); })) {
-      REQUIRE_THAT(m, Catch::Contains("'block1.w' belongs to unit 'block1', which is not gathered"));
+      REQUIRE_THAT(m,
+                   Catch::Contains("'block1.w' belongs to unit 'block1', which is not gathered"));
     }
   }
   SECTION("a gradient handed over outside its unit's backward") {
@@ -274,7 +275,8 @@ TEST_CASE("ranks that call the hooks in different orders are stopped, not silent
   }
 }
 
-TEST_CASE("ZeRO-2 buckets handed over in different orders are caught at step()", "[engine][errors]") {
+TEST_CASE("ZeRO-2 buckets handed over in different orders are caught at step()",
+          "[engine][errors]") {
   for (const auto& m : errors_per_rank(2, [](thread_comm& c) {
          std::vector<float> a(8), b(8);
          model_spec ms;

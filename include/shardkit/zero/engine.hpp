@@ -47,6 +47,7 @@
 #include <shardkit/core/memory.hpp>
 #include <shardkit/core/tensor.hpp>
 #include <shardkit/kernels/host/convert.hpp>
+#include <shardkit/kernels/host/grad_stats.hpp>
 #include <shardkit/kernels/host/optimizer.hpp>
 #include <shardkit/kernels/math.hpp>
 #include <shardkit/plan/formulas.hpp>
@@ -58,13 +59,31 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <deque>
+#include <functional>
 #include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 SHARDKIT_NAMESPACE_BEGIN
+
+//! Dynamic loss scaling (for fp16 training): the framework multiplies its loss by
+//! engine::loss_scale() before backward; the engine unscales inside the fused step, skips steps
+//! whose gradients overflowed (on every rank, leaving all state untouched) and adapts the
+//! scale: times backoff_factor after an overflow, times growth_factor after growth_interval
+//! steps in a row without one, never below min_scale (reported in step_report when reached).
+struct loss_scale_options {
+  float init_scale = 65536.0f;
+  float growth_factor = 2.0f;
+  std::uint32_t growth_interval = 2000;
+  float backoff_factor = 0.5f;
+  float min_scale = 1.0f;
+};
+
+//! Which norm gradient clipping bounds.
+enum class grad_norm_kind : std::uint8_t { l2, inf };
 
 //! Settings of an engine that do not change its type.
 struct engine_options {
@@ -97,6 +116,21 @@ struct engine_options {
   bool check_schedule = true;
   //! ZeRO-3: record a timeline of gathers, waits and hooks (engine::trace()).
   bool trace = false;
+
+  //! Clip the global gradient norm to this value (0 = no clipping). The norm is that of the
+  //! averaged, unscaled gradient over all true parameter elements (padding excluded, each
+  //! element once), computed exactly so every stage and rank count agrees bit for bit; the clip
+  //! coefficient min(1, max / (norm + 1e-6)) is applied inside the fused step.
+  float clip_grad_norm = 0.0f;
+  //! The norm clip_grad_norm bounds.
+  grad_norm_kind clip_norm = grad_norm_kind::l2;
+  //! Compute and report the gradient norms (step_report::grad_norm, grad_inf_norm) even
+  //! without clipping. Costs one read of the gradient shard per step.
+  bool report_grad_norm = false;
+  //! Dynamic loss scaling. Unset: on for fp16 working parameters, off otherwise.
+  std::optional<loss_scale_options> loss_scale;
+  //! Turn dynamic loss scaling off even for fp16.
+  bool disable_loss_scale = false;
 };
 
 //! One entry of the ZeRO-3 timeline (engine_options::trace).
@@ -117,10 +151,27 @@ struct trace_event {
 
 //! What one call of step() did.
 struct step_report {
-  std::uint64_t step = 0;        //!< optimizer steps taken, this one included
-  float lr = 0.0f;               //!< learning rate used
-  std::uint64_t bytes_sent = 0;  //!< data bytes this rank sent since the previous step() (or set-up)
+  std::uint64_t step = 0;  //!< optimizer steps taken, this one included
+  float lr = 0.0f;         //!< learning rate used
+  std::uint64_t bytes_sent =
+      0;  //!< data bytes this rank sent since the previous step() (or set-up)
   std::uint64_t control_bytes_sent = 0;  //!< bytes of the engine's small control collectives
+  std::size_t micro_batches = 1;         //!< micro-batches accumulated into this step
+  //! The step was skipped on every rank because a gradient was infinite or NaN (only detected
+  //! when loss scaling, clipping or report_grad_norm needs a pass over the gradients).
+  bool skipped = false;
+  float grad_norm = NAN;      //!< L2 norm of the averaged, unscaled gradient (NaN: not computed)
+  float grad_inf_norm = NAN;  //!< largest |element| of it (NaN: not computed)
+  float clip_coef = 1.0f;     //!< factor the clipping applied
+  float loss_scale = 1.0f;    //!< the loss scale to use for the next step
+  bool loss_scale_at_minimum = false;  //!< an overflow happened with the scale at min_scale
+};
+
+//! Optimizer options per parameter group (model_spec::add's param_group indexes them).
+template <class Options>
+struct param_groups {
+  explicit param_groups(std::vector<Options> per_group) : options(std::move(per_group)) {}
+  std::vector<Options> options;
 };
 
 namespace detail {
@@ -158,8 +209,27 @@ class engine {
   //! options.broadcast_init is set, and under ZeRO-3 when units persist.
   engine(Comm& comm, const model_spec& model, optimizer_options opt = {},
          engine_options options = {})
-      : comm_(comm), rank_(comm.rank()), ranks_(comm.size()), opt_(opt), options_(options) {
+      : engine(comm, model, param_groups<optimizer_options>({opt}), options) {}
+
+  //! As above, with one set of optimizer options per parameter group: parameter i uses
+  //! groups[model[i].param_group] (e.g. no weight decay for biases and norms):
+  //!     engine e(comm, model, shardkit::param_groups<adam_options>({decay, no_decay}), eo);
+  engine(Comm& comm, const model_spec& model, param_groups<optimizer_options> groups,
+         engine_options options = {})
+      : comm_(comm),
+        rank_(comm.rank()),
+        ranks_(comm.size()),
+        groups_(std::move(groups.options)),
+        options_(options) {
     validate_options();
+    for (std::size_t i = 0; i < model.size(); ++i) {
+      if (model[i].param_group >= groups_.size()) {
+        detail::raise("engine: parameter '", model[i].name, "' is in parameter group ",
+                      model[i].param_group, " but only ", groups_.size(),
+                      " set(s) of optimizer options were given");
+      }
+    }
+    if (loss_scaling()) scale_ = scaler().init_scale;
     for (const auto& p : model.params()) names_.push_back(p.name);
     unit_names_ = model.unit_names();
     unit_starts_ = model.unit_starts();
@@ -364,29 +434,89 @@ class engine {
   void post_backward(std::size_t u) { post_hook(u, true); }
 
   // ----------------------------------------------------------------------------------------
+  // Gradient accumulation, loss scaling, learning-rate schedule
+
+  //! Declares the start of a micro-batch; `last` marks the final one before step(). With
+  //! declared micro-batches the step averages over them too (the mean over the global batch of
+  //! N ranks x K micro-batches, when average_grads). Stages 0 and 1 accumulate locally and
+  //! communicate once, at step(); stages 2 and 3 keep no full gradient buffer to accumulate
+  //! into (it would cost the 2Ψ bytes they exist to save), so they reduce-scatter every
+  //! micro-batch into the gradient shard. Without any call, every gradient handed over in a
+  //! step is summed and the step counts as one micro-batch.
+  void begin_micro_batch(bool last) {
+    if (last_declared_) {
+      detail::raise<usage_error>(
+          "engine::begin_micro_batch: the previous micro-batch was "
+          "declared the last of the step; call step() first");
+    }
+    ++micro_batches_;
+    last_declared_ = last;
+  }
+
+  //! The scale the framework multiplies its loss by before backward (1 without loss scaling).
+  float loss_scale() const noexcept { return scale_; }
+
+  //! A learning-rate schedule: step t (1-based) uses each group's lr times schedule(t).
+  void set_lr_schedule(std::function<float(std::uint64_t)> schedule) {
+    schedule_ = std::move(schedule);
+  }
+
+  // ----------------------------------------------------------------------------------------
   // The step
 
   //! Reduces the gradients, steps the optimizer on this rank's shard and brings every rank's
-  //! working parameters up to date. Collective: every rank calls it. Uses options.lr.
-  step_report step() { return step(lr_of(opt_)); }
+  //! working parameters up to date. Collective: every rank calls it. Each parameter group uses
+  //! its lr times the schedule's factor (1 without a schedule).
+  step_report step() { return step(schedule_ ? schedule_(steps_ + 1) : 1.0f); }
 
-  //! As step(), with the learning rate `lr` for this step (learning-rate schedules).
-  step_report step(float lr) {
-    if (!std::isfinite(lr) || lr < 0.0f) {
-      detail::raise("engine::step: learning rate must be finite and non-negative, got ", lr);
+  //! As step(), with the learning rates of this step scaled by `lr_scale` instead of the
+  //! schedule.
+  step_report step(float lr_scale) {
+    if (!std::isfinite(lr_scale) || lr_scale < 0.0f) {
+      detail::raise("engine::step: the learning-rate scale must be finite and non-negative, got ",
+                    lr_scale);
+    }
+    if (micro_batches_ > 0 && !last_declared_) {
+      detail::raise<usage_error>("engine::step: ", micro_batches_,
+                                 " micro-batch(es) were begun but none was declared the last "
+                                 "(begin_micro_batch(true))");
     }
     if constexpr (shards_params) check_units_done();
     reduce_gradients();
-    check_schedule();
-    const float grad_scale = options_.average_grads ? 1.0f / static_cast<float>(ranks_) : 1.0f;
-    ++steps_;
-    const auto k = Optimizer::prepare(opt_, steps_, lr, grad_scale);
-    run_optimizer(k);
-    gather_params();
+
+    step_report rep;
+    rep.micro_batches = std::max<std::size_t>(micro_batches_, 1);
+    const control_result ctl = control_exchange();
+    // The gradient the optimizer sees: the sum over ranks (and micro-batches) times `base`.
+    double base = options_.average_grads ? 1.0 / static_cast<double>(ranks_) : 1.0;
+    if (micro_batches_ > 0 && options_.average_grads) base /= static_cast<double>(micro_batches_);
+    base /= static_cast<double>(scale_);
+    if (ctl.have_norm) rep.grad_norm = static_cast<float>(std::sqrt(ctl.norm_squared) * base);
+    if (ctl.have_inf_norm) rep.grad_inf_norm = static_cast<float>(ctl.max_abs * base);
+    double coef = 1.0;
+    if (options_.clip_grad_norm > 0.0f && ctl.nonfinite == 0) {
+      const double norm = options_.clip_norm == grad_norm_kind::l2
+                              ? std::sqrt(ctl.norm_squared) * base
+                              : ctl.max_abs * base;
+      coef = std::min(1.0, static_cast<double>(options_.clip_grad_norm) / (norm + 1e-6));
+    }
+    rep.clip_coef = static_cast<float>(coef);
+    rep.skipped = ctl.nonfinite != 0;
+    if (!rep.skipped) {
+      ++steps_;
+      run_optimizer(static_cast<float>(base * coef), lr_scale);
+      gather_params();
+    } else if constexpr (shards_params) {
+      release_transient_units();
+    }
+    update_loss_scale(rep);
     reset_gradients();
+    rep.step = steps_;
+    rep.lr = groups_[0].lr * lr_scale;
     const std::uint64_t sent = traffic_.total_bytes_sent();
     const std::uint64_t control = control_traffic_.total_bytes_sent();
-    const step_report rep{steps_, lr, sent - sent_at_last_step_, control - control_at_last_step_};
+    rep.bytes_sent = sent - sent_at_last_step_;
+    rep.control_bytes_sent = control - control_at_last_step_;
     sent_at_last_step_ = sent;
     control_at_last_step_ = control;
     return rep;
@@ -407,7 +537,8 @@ class engine {
   std::uint64_t steps_taken() const noexcept { return steps_; }
   int rank() const noexcept { return rank_; }
   int ranks() const noexcept { return ranks_; }
-  const optimizer_options& options() const noexcept { return opt_; }
+  //! Optimizer options of parameter group g.
+  const optimizer_options& options(std::size_t g = 0) const { return groups_.at(g); }
   const engine_options& settings() const noexcept { return options_; }
 
   //! Model-state bytes per rank that plan/formulas.hpp predicts for this configuration.
@@ -518,8 +649,6 @@ class engine {
     std::size_t completions_at_pre_backward = 0;
   };
 
-  static float lr_of(const optimizer_options& o) { return o.lr; }
-
   static void drain_quietly(std::optional<work_type>& w) noexcept {
     if (!w) return;
     try {
@@ -539,21 +668,81 @@ class engine {
     if (ranks_ < 1 || rank_ < 0 || rank_ >= ranks_) {
       detail::raise("engine: communicator reports rank ", rank_, " of ", ranks_);
     }
-    if (!std::isfinite(opt_.lr) || opt_.lr < 0.0f) {
-      detail::raise("engine: learning rate must be finite and non-negative, got ", opt_.lr);
-    }
-    if constexpr (requires {
-                    opt_.beta1;
-                    opt_.beta2;
-                    opt_.eps;
-                  }) {
-      if (!(opt_.beta1 >= 0.0f && opt_.beta1 < 1.0f) ||
-          !(opt_.beta2 >= 0.0f && opt_.beta2 < 1.0f)) {
-        detail::raise("engine: Adam betas must lie in [0, 1), got beta1 = ", opt_.beta1,
-                      ", beta2 = ", opt_.beta2);
+    if (groups_.empty()) detail::raise("engine: at least one set of optimizer options is needed");
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      const auto& o = groups_[g];
+      if (!std::isfinite(o.lr) || o.lr < 0.0f) {
+        detail::raise("engine: learning rate of parameter group ", g,
+                      " must be finite and non-negative, got ", o.lr);
       }
-      if (!(opt_.eps > 0.0f)) detail::raise("engine: Adam eps must be positive, got ", opt_.eps);
+      if constexpr (requires {
+                      o.beta1;
+                      o.beta2;
+                      o.eps;
+                    }) {
+        if (!(o.beta1 >= 0.0f && o.beta1 < 1.0f) || !(o.beta2 >= 0.0f && o.beta2 < 1.0f)) {
+          detail::raise("engine: Adam betas must lie in [0, 1), got beta1 = ", o.beta1,
+                        ", beta2 = ", o.beta2, " (parameter group ", g, ")");
+        }
+        if (!(o.eps > 0.0f)) {
+          detail::raise("engine: Adam eps must be positive, got ", o.eps, " (parameter group ", g,
+                        ")");
+        }
+      }
     }
+    if (!(options_.clip_grad_norm >= 0.0f) || !std::isfinite(options_.clip_grad_norm)) {
+      detail::raise(
+          "engine: engine_options::clip_grad_norm must be finite and >= 0 (0 = off), "
+          "got ",
+          options_.clip_grad_norm);
+    }
+    if (options_.loss_scale) {
+      const auto& l = *options_.loss_scale;
+      if (!(l.min_scale > 0.0f && l.init_scale >= l.min_scale && std::isfinite(l.init_scale)) ||
+          !(l.growth_factor >= 1.0f) || !(l.backoff_factor > 0.0f && l.backoff_factor < 1.0f) ||
+          l.growth_interval == 0) {
+        detail::raise(
+            "engine: loss_scale_options need 0 < min_scale <= init_scale (finite), "
+            "growth_factor >= 1, 0 < backoff_factor < 1 and growth_interval >= 1; got "
+            "init ",
+            l.init_scale, ", min ", l.min_scale, ", growth ", l.growth_factor, " every ",
+            l.growth_interval, ", backoff ", l.backoff_factor);
+      }
+    }
+  }
+
+  bool loss_scaling() const noexcept {
+    if (options_.disable_loss_scale) return false;
+    return options_.loss_scale.has_value() || std::is_same_v<Working, fp16>;
+  }
+  loss_scale_options scaler() const noexcept {
+    return options_.loss_scale ? *options_.loss_scale : loss_scale_options{};
+  }
+  bool needs_norm() const noexcept {
+    return options_.report_grad_norm ||
+           (options_.clip_grad_norm > 0.0f && options_.clip_norm == grad_norm_kind::l2);
+  }
+  bool needs_inf_norm() const noexcept {
+    return options_.report_grad_norm ||
+           (options_.clip_grad_norm > 0.0f && options_.clip_norm == grad_norm_kind::inf);
+  }
+
+  void update_loss_scale(step_report& rep) {
+    if (!loss_scaling()) {
+      rep.loss_scale = 1.0f;
+      return;
+    }
+    const auto l = scaler();
+    if (rep.skipped) {
+      good_steps_ = 0;
+      if (scale_ <= l.min_scale) rep.loss_scale_at_minimum = true;  // reported, not looped on
+      scale_ = std::max(scale_ * l.backoff_factor, l.min_scale);
+    } else if (++good_steps_ >= l.growth_interval) {
+      good_steps_ = 0;
+      const float grown = scale_ * l.growth_factor;
+      if (std::isfinite(grown)) scale_ = grown;
+    }
+    rep.loss_scale = scale_;
   }
 
   void check_index(std::size_t i, const char* what) const {
@@ -599,10 +788,10 @@ class engine {
         tmp.resize(p.numel);
         host::convert(src, type, tmp.data(), dtype::f32, p.numel);
         comm_.broadcast(tmp.data(), p.numel, 0);
-        traffic_.record(collective::broadcast,
-                        ring_bytes_sent(collective::broadcast, p.numel, sizeof(float),
-                                        static_cast<std::size_t>(ranks_),
-                                        static_cast<std::size_t>(rank_)));
+        traffic_.record(
+            collective::broadcast,
+            ring_bytes_sent(collective::broadcast, p.numel, sizeof(float),
+                            static_cast<std::size_t>(ranks_), static_cast<std::size_t>(rank_)));
         src = tmp.data();
         type = dtype::f32;
       }
@@ -1029,17 +1218,73 @@ class engine {
     }
   }
 
-  // ZeRO-2/3: all ranks must have issued the same collectives (same buckets/units, same order).
-  void check_schedule() {
-    if constexpr (shards_grads) {
-      if (!options_.check_schedule || ranks_ == 1) return;
-      std::uint64_t v[2] = {schedule_hash_, ~schedule_hash_};
-      comm_.all_reduce(v, v, 2, reduce_op::max);
-      control_traffic_.record(
-          collective::all_reduce,
-          ring_bytes_sent(collective::all_reduce, 2, sizeof(std::uint64_t),
-                          static_cast<std::size_t>(ranks_), static_cast<std::size_t>(rank_)));
-      if (v[0] != schedule_hash_ || v[1] != ~schedule_hash_) {
+  struct control_result {
+    bool have_norm = false;
+    bool have_inf_norm = false;
+    double norm_squared = 0.0;  // of the summed (unaveraged, scaled) gradient
+    double max_abs = 0.0;
+    std::uint64_t nonfinite = 0;
+  };
+
+  // Calls f(pointer, count) for every run of true gradient elements this rank accounts for:
+  // its shard (stages 1-3) or its chunk of the all-reduced gradient (stage 0), so that over
+  // all ranks every element is visited exactly once.
+  template <class F>
+  void for_each_owned_grad(F&& f) const {
+    if constexpr (stage == 0) {
+      const std::size_t n = layout_.numel(), N = static_cast<std::size_t>(ranks_);
+      const std::size_t r = static_cast<std::size_t>(rank_);
+      if (n != 0) f(grads_.data() + chunk_begin(n, N, r), chunk_size(n, N, r));
+    } else {
+      for (const auto& ru : runs_) {
+        f(grads_.data() + (shards_grads ? ru.shard_offset : ru.full_offset), ru.count);
+      }
+    }
+  }
+
+  // The per-step control collectives: gradient statistics for clipping and overflow detection
+  // (exact, so every stage agrees bit for bit), and the ZeRO-2/3 schedule check. One sum
+  // all-reduce of 64-bit words, plus one max all-reduce when the inf-norm is needed; nothing
+  // when no feature asks for them.
+  control_result control_exchange() {
+    control_result res;
+    const bool stats = needs_norm() || needs_inf_norm();
+    const bool overflow = stats || loss_scaling();
+    const bool schedule = shards_grads && options_.check_schedule && ranks_ > 1;
+    if (!overflow && !schedule) return res;
+    host::grad_stats st;
+    std::uint64_t nonfinite = 0;
+    if (stats) {
+      for_each_owned_grad(
+          [&](const Working* g, std::size_t n) { host::accumulate_stats(g, n, st); });
+      nonfinite = st.nonfinite();
+    } else if (overflow) {
+      for_each_owned_grad(
+          [&](const Working* g, std::size_t n) { nonfinite += host::count_nonfinite(g, n); });
+    }
+    std::vector<std::uint64_t> msg;
+    if (stats) msg.assign(st.words.begin(), st.words.begin() + host::grad_stats::bins);
+    const std::size_t at_nonfinite = msg.size();
+    msg.push_back(nonfinite);
+    const std::size_t at_hash = msg.size();
+    if (schedule) {
+      msg.push_back(schedule_hash_);
+      msg.push_back(schedule_hash_ * schedule_hash_);
+    }
+    if (ranks_ > 1) {
+      comm_.all_reduce(msg.data(), msg.data(), msg.size(), reduce_op::sum);
+      record_control(msg.size(), sizeof(std::uint64_t));
+    }
+    std::uint32_t max_bits = st.max_abs_bits;
+    if (needs_inf_norm() && ranks_ > 1) {
+      comm_.all_reduce(&max_bits, &max_bits, 1, reduce_op::max);
+      record_control(1, sizeof(std::uint32_t));
+    }
+    if (schedule) {
+      const std::uint64_t n = static_cast<std::uint64_t>(ranks_);
+      if (msg[at_hash] != n * schedule_hash_ ||
+          msg[at_hash + 1] != n * (schedule_hash_ * schedule_hash_)) {
+        if constexpr (shards_params) release_transient_units();
         reset_gradients();
         detail::raise<usage_error>(
             "engine::step: the ranks issued the engine's collectives in different orders in this "
@@ -1048,9 +1293,35 @@ class engine {
             "same order");
       }
     }
+    res.nonfinite = msg[at_nonfinite];
+    if (stats) {
+      host::grad_stats all;
+      std::copy(msg.begin(), msg.begin() + host::grad_stats::bins, all.words.begin());
+      res.norm_squared = all.norm_squared();
+      res.have_norm = needs_norm();
+    }
+    if (needs_inf_norm()) {
+      float f;
+      std::memcpy(&f, &max_bits, sizeof f);
+      res.max_abs = f;
+      res.have_inf_norm = true;
+    }
+    return res;
   }
 
-  void run_optimizer(const typename Optimizer::constants& k) {
+  void record_control(std::size_t count, std::size_t elem_bytes) {
+    control_traffic_.record(
+        collective::all_reduce,
+        ring_bytes_sent(collective::all_reduce, count, elem_bytes, static_cast<std::size_t>(ranks_),
+                        static_cast<std::size_t>(rank_)));
+  }
+
+  void run_optimizer(float grad_scale, float lr_scale) {
+    std::vector<typename Optimizer::constants> k;
+    k.reserve(groups_.size());
+    for (const auto& o : groups_) {
+      k.push_back(Optimizer::prepare(o, steps_, o.lr * lr_scale, grad_scale));
+    }
     for (const auto& r : runs_) {
       float* st[Optimizer::state_count];
       for (std::size_t s = 0; s < Optimizer::state_count; ++s) {
@@ -1059,12 +1330,20 @@ class engine {
       const Working* g =
           shards_grads ? grads_.data() + r.shard_offset : grads_.data() + r.full_offset;
       Working* working = params_.data() + (shards_params ? r.shard_offset : r.full_offset);
+      const auto& kg = k[r.param_group];
       if constexpr (has_master) {
-        host::fused_step<Optimizer>(k, master_.data() + r.shard_offset, st, g, working, r.count);
+        host::fused_step<Optimizer>(kg, master_.data() + r.shard_offset, st, g, working, r.count);
       } else {
-        host::fused_step<Optimizer, Working, Working>(k, working, st, g,
+        host::fused_step<Optimizer, Working, Working>(kg, working, st, g,
                                                       static_cast<Working*>(nullptr), r.count);
       }
+    }
+  }
+
+  // ZeRO-3: frees every gathered unit that is not persistent (prefetched but unused, or kept).
+  void release_transient_units() {
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      if (!units_[u].persistent && units_[u].state != unit_state::released) release(u, false);
     }
   }
 
@@ -1082,12 +1361,11 @@ class engine {
       for (auto& w : works) w.wait();
     } else if constexpr (stage == 3) {
       // Units prefetched but never used are released; persistent units are gathered anew.
+      release_transient_units();
       for (std::size_t u = 0; u < units_.size(); ++u) {
         if (units_[u].persistent) {
           release(u, false);
           issue_gather(u, false);
-        } else if (units_[u].state != unit_state::released) {
-          release(u, false);
         }
       }
       for (std::size_t u = 0; u < units_.size(); ++u) {
@@ -1120,12 +1398,14 @@ class engine {
       forward_cursor_ = backward_cursor_ = 0;
     }
     schedule_hash_ = 0;
+    micro_batches_ = 0;
+    last_declared_ = false;
   }
 
   Comm& comm_;
   int rank_;
   int ranks_;
-  optimizer_options opt_;
+  std::vector<optimizer_options> groups_;
   engine_options options_;
   std::vector<std::string> names_;
   std::vector<std::string> unit_names_;
@@ -1151,6 +1431,11 @@ class engine {
   std::size_t forward_cursor_ = 0, backward_cursor_ = 0;     // position in the orders
   std::vector<trace_event> trace_;
   std::uint64_t schedule_hash_ = 0;
+  float scale_ = 1.0f;             // loss scale
+  std::uint32_t good_steps_ = 0;   // steps since the last overflow
+  std::size_t micro_batches_ = 0;  // declared in this step
+  bool last_declared_ = false;
+  std::function<float(std::uint64_t)> schedule_;
   std::uint64_t steps_ = 0;
   std::uint64_t sent_at_last_step_ = 0;
   std::uint64_t control_at_last_step_ = 0;
