@@ -38,7 +38,7 @@ TEST_CASE("shardkit-plan: counts are exact whole numbers with SI or binary suffi
   CHECK_THROWS_WITH(cli::parse_count("--params", ""), Contains("is not a number"));
 }
 
-TEST_CASE("shardkit-plan: bytes need a unit; GB = 1e9, GiB = 2^30") {
+TEST_CASE("shardkit-plan: bytes need a unit (GB = 1e9, GiB = 2^30)") {
   CHECK(cli::parse_bytes("--gpu-mem", "80GB") == 80'000'000'000);
   CHECK(cli::parse_bytes("--gpu-mem", "80GiB") == 80ull << 30);
   CHECK(cli::parse_bytes("--gpu-mem", "1.5TB") == 1'500'000'000'000);
