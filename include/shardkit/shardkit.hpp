@@ -19,6 +19,7 @@
 #include <shardkit/kernels/host/simd.hpp>
 #include <shardkit/kernels/math.hpp>
 #include <shardkit/plan/formulas.hpp>
+#include <shardkit/plan/planner.hpp>
 #include <shardkit/zero/engine.hpp>
 #include <shardkit/zero/model.hpp>
 #include <shardkit/zero/policies.hpp>

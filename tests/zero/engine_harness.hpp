@@ -184,7 +184,7 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
       bool persistent = false, kept = false;
     };
     std::vector<unit_spec> units(U);
-    std::uint64_t largest_transient = 0, fixed_live = 0, persistent_live = 0;
+    std::uint64_t largest_transient = 0, fixed_live = 0, persistent_live = 0, transient = 0;
     for (std::size_t u = 0; u < U; ++u) {
       std::uint64_t psi_u = 0;
       for (auto [b, e] = unit_params(u); b < e; ++b) psi_u += mc.sizes[b];
@@ -197,6 +197,7 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
         persistent_live += units[u].padded;
       } else {
         largest_transient = std::max(largest_transient, units[u].padded);
+        ++transient;
         if (units[u].kept) fixed_live += units[u].padded;
       }
     }
@@ -387,7 +388,10 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
     if constexpr (stage == 3) {
       // Gathered parameters never exceed (1 + prefetch) x the largest unit, plus the
       // persistent units and the units kept from forward to backward.
-      std::uint64_t bound = ((1 + cfg.options.prefetch) * largest_transient + fixed_live) * w;
+      std::uint64_t bound =
+          (std::min<std::uint64_t>(1 + cfg.options.prefetch, transient) * largest_transient +
+           fixed_live) *
+          w;
       if (cfg.options.max_live_elems != 0) {
         bound = std::min<std::uint64_t>(bound, cfg.options.max_live_elems * w);
       }

@@ -20,6 +20,11 @@
 //!   stage 0: all-reduce of Ψ elements (comm/volume.hpp; 2(N-1)/N·eΨ when N divides Ψ)
 //!   stage 1, 2: reduce-scatter + all-gather: 2·(N-1)·S·e
 //!   stage 3: two all-gathers + one reduce-scatter: 3·(N-1)·S·e
+//!
+//! These are the single-group closed forms the engine reports (engine::expected_state_bytes()).
+//! The planner generalises them to several units or buckets, staging buffers, micro-batches,
+//! ZeRO-3 prefetch and persistence, hybrid sharding and a time model: plan/planner.hpp (with
+//! plan/model.hpp, memory.hpp, comm.hpp, time.hpp); on one group it gives the same numbers.
 #pragma once
 
 #include <shardkit/comm/volume.hpp>
@@ -47,6 +52,7 @@ struct precision {
   static constexpr precision fp32(std::uint64_t states = 2) noexcept {
     return {4, 4, 0, 4 * states};
   }
+  friend constexpr bool operator==(const precision&, const precision&) = default;
 };
 
 //! Model-state bytes held by one rank, by category.

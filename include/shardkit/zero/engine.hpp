@@ -565,8 +565,9 @@ class engine {
     }
   }
   //! ZeRO-3: the most gathered-parameter bytes the schedule may hold at once:
-  //! w·((1 + prefetch)·largest non-persistent unit + persistent units + units kept from forward
-  //! to backward), each unit at its padded size N·S_u. 0 in stages 0-2.
+  //! w·(min(1 + prefetch, transient units)·largest non-persistent unit + persistent units +
+  //! units kept from forward to backward), each unit at its padded size N·S_u, and at most
+  //! max_live_elems·w when set. 0 in stages 0-2.
   std::uint64_t gathered_bytes_bound() const noexcept {
     if constexpr (shards_params)
       return live_bound_elems() * sizeof(Working);
@@ -916,17 +917,20 @@ class engine {
 
   std::uint64_t unit_padded(std::size_t u) const { return layout_.group(u).padded; }
 
+  // min(1 + D, U_t)·largest transient unit + persistent units + kept units (elements).
   std::uint64_t live_bound_elems() const {
-    std::uint64_t largest = 0, fixed = 0;
+    std::uint64_t largest = 0, fixed = 0, transient = 0;
     for (std::size_t u = 0; u < units_.size(); ++u) {
-      if (units_[u].persistent)
+      if (units_[u].persistent) {
         fixed += unit_padded(u);
-      else {
+      } else {
+        ++transient;
         largest = std::max(largest, unit_padded(u));
         if (!units_[u].reshard_after_forward) fixed += unit_padded(u);
       }
     }
-    std::uint64_t bound = (1 + options_.prefetch) * largest + fixed;
+    std::uint64_t bound =
+        std::min<std::uint64_t>(1 + options_.prefetch, transient) * largest + fixed;
     if (options_.max_live_elems != 0)
       bound = std::min<std::uint64_t>(bound, options_.max_live_elems);
     return bound;

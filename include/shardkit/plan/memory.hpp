@@ -1,0 +1,138 @@
+//! \file plan/memory.hpp
+//! Bytes one rank holds, by ledger category (core/ledger.hpp), for ZeRO stages 0-3 and hybrid
+//! sharding, with the exact padding of core/layout.hpp. docs/accounting.md states the rules;
+//! the tests check them byte for byte against the engine's memory ledger.
+//!
+//! w, g = bytes per working parameter / gradient element, m = master bytes (4 or 0), k = optimizer
+//! state bytes per element; G = ranks a group is sharded over (N, or the hybrid shard group);
+//! S = Σ_g S_g; B = grad_buffers; k_mb = micro-batches. Persistent model state:
+//!
+//!   | stage | working params | grads | master | optimizer state |
+//!   |-------|----------------|-------|--------|-----------------|
+//!   | 0     | w·Ψ            | g·Ψ   | m·Ψ    | k·Ψ             |
+//!   | 1     | w·G·S          | g·G·S | m·S    | k·S             |
+//!   | 2     | w·G·S          | g·S   | m·S    | k·S             |
+//!   | 3     | w·S            | g·S   | m·S    | k·S             |
+//!
+//! Transient (their peaks):
+//!  - grad_buckets (stages 2, 3): B · g·G·max_g S_g.
+//!  - comm_scratch (stages 2, 3, only with k_mb ≥ 2): the reduce-scatter target of later
+//!    micro-batches, one slice of g·max_g S_g for each staging buffer that ever receives one.
+//!    Buckets are handed over in backward order and take the staging buffers round-robin, so
+//!    that is min(B, (k_mb − 1)·U) buffers, U = groups with Ψ_g > 0.
+//!  - gathered_params (stage 3): w·G·L elements, L = live_elems() below: the bound on what is
+//!    gathered at once.
+//!  - activations: as given in setup::activation_bytes.
+#pragma once
+
+#include <shardkit/config.hpp>
+#include <shardkit/plan/formulas.hpp>
+#include <shardkit/plan/model.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+
+SHARDKIT_NAMESPACE_BEGIN
+namespace plan {
+
+//! Bytes one rank holds per ledger category. The first four are the persistent model state
+//! (ledger `current`); the others are peaks of transient buffers.
+struct memory_bytes {
+  std::uint64_t working_params = 0;     //!< memory_category::working_params
+  std::uint64_t grads = 0;              //!< memory_category::grads
+  std::uint64_t master_params = 0;      //!< memory_category::master_params
+  std::uint64_t optimizer_moments = 0;  //!< memory_category::optimizer_moments
+  std::uint64_t gathered_params = 0;    //!< memory_category::gathered_params (ZeRO-3 bound)
+  std::uint64_t grad_buckets = 0;       //!< memory_category::grad_buckets (peak)
+  std::uint64_t comm_scratch = 0;       //!< memory_category::comm_scratch (peak)
+  std::uint64_t activations = 0;        //!< given by the user; not in the engine's ledger
+
+  //! The persistent model state (what plan/formulas.hpp's model_state_bytes() returns).
+  constexpr state_bytes model_state() const noexcept {
+    return {working_params, grads, master_params, optimizer_moments};
+  }
+  //! Transient buffers of the library (gathered units, staging buckets, scratch).
+  constexpr std::uint64_t transient() const noexcept {
+    return gathered_params + grad_buckets + comm_scratch;
+  }
+  //! The peak per rank: every category at its peak at once. Exact for stages 0-2 (their
+  //! buffers are allocated once and kept); an upper bound for stage 3.
+  constexpr std::uint64_t total() const noexcept {
+    return model_state().total() + transient() + activations;
+  }
+  friend constexpr bool operator==(const memory_bytes&, const memory_bytes&) = default;
+};
+
+//! ZeRO-3: the most parameter elements gathered on a rank at once, as the engine is specified
+//! to bound them (docs/accounting.md):
+//!
+//!     L = min(1 + D, U_t)·G·max S_u  +  Σ_{persistent} G·S_u  +  Σ_{kept} G·S_u
+//!
+//! D = prefetch depth; U_t = non-persistent units (at most 1 + D of them are gathered at a
+//! time: the current one and D prefetched); persistent units (Ψ_u < persist_below) stay
+//! gathered all step; "kept" = non-persistent units with reshard_after_forward = false, which
+//! stay gathered from their forward to their backward. 0 for stages 0-2.
+constexpr std::uint64_t live_elems(const setup& s, const layout_summary& l) noexcept {
+  if (s.stage != 3) return 0;
+  const std::uint64_t window = std::min<std::uint64_t>(1 + s.prefetch, l.transient_units);
+  return l.ranks * (window * l.largest_transient_shard + l.persistent_shard + l.kept_shard);
+}
+
+//! As above, for a model.
+constexpr std::uint64_t live_elems(const setup& s, std::span<const unit> units) noexcept {
+  return live_elems(s, summarize(s, units));
+}
+
+//! ZeRO-3: true when the live bound fits setup::max_live_elems (always true without a limit
+//! and for stages 0-2). The engine refuses a set-up where this is false.
+constexpr bool live_limit_ok(const setup& s, const layout_summary& l) noexcept {
+  return s.max_live_elems == 0 || live_elems(s, l) <= s.max_live_elems;
+}
+
+//! Bytes one rank holds for the layout `l` of setup `s` (see the file comment).
+constexpr memory_bytes memory_per_rank(const setup& s, const layout_summary& l) noexcept {
+  const precision& p = s.bytes;
+  const std::uint64_t S = l.shard;
+  const std::uint64_t full = l.padded();  // G·S (stage 0: Ψ)
+  memory_bytes m;
+  m.activations = s.activation_bytes;
+  m.master_params = p.master_bytes * S;
+  m.optimizer_moments = p.state_bytes * S;
+  switch (s.stage) {
+    case 0:
+    case 1:
+      m.working_params = p.working_bytes * full;
+      m.grads = p.grad_bytes * full;
+      return m;
+    case 2:
+      m.working_params = p.working_bytes * full;
+      break;
+    default:
+      m.working_params = p.working_bytes * S;
+      m.gathered_params = p.working_bytes * live_elems(s, l);
+      break;
+  }
+  // Stages 2 and 3: gradient shard, staging buckets, micro-batch scratch.
+  m.grads = p.grad_bytes * S;
+  m.grad_buckets = s.grad_buffers * p.grad_bytes * l.ranks * l.largest_shard;
+  if (s.micro_batches > 1) {
+    const std::uint64_t later_rounds = (s.micro_batches - 1) * l.nonempty_groups;
+    m.comm_scratch = std::min(s.grad_buffers, later_rounds) * p.grad_bytes * l.largest_shard;
+  }
+  return m;
+}
+
+//! Bytes one rank holds for `units` under setup `s` (preconditions: invalid_reason(s) == nullptr).
+constexpr memory_bytes memory_per_rank(const setup& s, std::span<const unit> units) noexcept {
+  return memory_per_rank(s, summarize(s, units));
+}
+
+//! Bytes one rank holds for a model of `psi` elements in one unit.
+constexpr memory_bytes memory_per_rank(const setup& s, std::uint64_t psi) noexcept {
+  const unit one[1] = {unit{psi}};
+  return memory_per_rank(s, std::span<const unit>(one));
+}
+
+}  // namespace plan
+SHARDKIT_NAMESPACE_END

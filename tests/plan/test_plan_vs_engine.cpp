@@ -1,0 +1,220 @@
+// The planner against the engine: for small models, every stage the engine implements, several
+// rank counts, dtypes, optimizers, alignments, staging buffers, buckets and micro-batches, the
+// bytes the planner predicts equal, byte for byte, what the engine's memory ledger holds and
+// what its traffic ledger (and step_report::bytes_sent) says it sent. Engines run on in-process
+// ranks (run_ranks + thread_comm); each rank returns its first mismatch and the test asserts
+// after all ranks are done.
+#include <shardkit/plan/planner.hpp>
+#include <shardkit/shardkit.hpp>
+
+#include "zero/engine_harness.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace plan = shardkit::plan;
+using shardkit::collective;
+using shardkit::memory_category;
+
+namespace {
+
+//! A model for the comparison: parameter sizes and where units start.
+std::vector<test::model_case> models() {
+  auto m = test::model_cases();
+  m.push_back({"a unit of empty parameters", {3, 0, 0, 9}, {0, 1, 3}});
+  m.push_back({"one parameter", {1000}, {}});
+  return m;
+}
+
+//! Engine settings the comparison runs with.
+struct variant {
+  const char* name;
+  shardkit::engine_options options;
+  int micro_batches;
+};
+
+std::vector<variant> variants() {
+  std::vector<variant> v;
+  v.push_back({"defaults", {}, 1});
+  shardkit::engine_options aligned;
+  aligned.alignment = 4;
+  aligned.grad_buffers = 2;
+  v.push_back({"alignment 4, 2 staging buffers, 3 micro-batches", aligned, 3});
+  shardkit::engine_options bucketed;
+  bucketed.bucket_elems = 16;
+  bucketed.grad_buffers = 2;
+  v.push_back({"buckets of 16 elements, 2 staging buffers, 2 micro-batches", bucketed, 2});
+  shardkit::engine_options wide;
+  wide.alignment = 8;
+  wide.bucket_elems = 300;
+  v.push_back({"alignment 8, buckets of 300, 2 micro-batches", wide, 2});
+  shardkit::engine_options z3;
+  z3.prefetch = 2;
+  z3.persist_below = 10;
+  v.push_back({"prefetch 2, units below 10 elements persist", z3, 1});
+  shardkit::engine_options z3b;
+  z3b.prefetch = 0;
+  z3b.max_live_elems = 40000;
+  v.push_back({"no prefetch, at most 40000 live elements, 2 micro-batches", z3b, 2});
+  return v;
+}
+
+//! The model as the planner sees it: the groups a stage-2 engine builds from these options (a
+//! stage-3 engine always uses the units).
+std::vector<plan::unit> planner_units(const test::model_case& mc, const shardkit::engine_options& o,
+                                      int stage) {
+  const std::vector<std::uint64_t> sizes(mc.sizes.begin(), mc.sizes.end());
+  if (o.bucket_elems != 0 && stage != 3) return plan::buckets(sizes, o.bucket_elems);
+  std::vector<plan::unit> units;
+  const std::vector<std::size_t> starts = mc.units.empty() ? std::vector<std::size_t>{0} : mc.units;
+  for (std::size_t u = 0; u < starts.size(); ++u) {
+    const std::size_t end = u + 1 < starts.size() ? starts[u + 1] : sizes.size();
+    std::uint64_t n = 0;
+    for (std::size_t i = starts[u]; i < end; ++i) n += sizes[i];
+    units.push_back(plan::unit{n});
+  }
+  return units;
+}
+
+//! Builds an engine on every rank, runs two steps and compares each rank's ledgers with the
+//! planner. Returns one string per rank: empty, or the first mismatch.
+template <class Policies, class W, class Opt>
+std::vector<std::string> compare(int N, const test::model_case& mc, const variant& v) {
+  using engine_t = shardkit::engine<shardkit::thread_comm, Policies, W, Opt>;
+  constexpr int stage = Policies::stage;
+  plan::setup s;
+  s.stage = stage;
+  s.ranks = static_cast<std::uint64_t>(N);
+  s.alignment = v.options.alignment;
+  s.grad_buffers = v.options.grad_buffers;
+  s.micro_batches = static_cast<std::uint64_t>(v.micro_batches);
+  s.bytes = plan::precision_of(shardkit::dtype_of<W>, Opt::state_count);
+  s.prefetch = v.options.prefetch;
+  s.persist_below = v.options.persist_below;
+  s.max_live_elems = v.options.max_live_elems;
+  const auto units = planner_units(mc, v.options, stage);
+  const plan::memory_bytes want_mem = plan::memory_per_rank(s, units);
+
+  return shardkit::run_ranks(N, [&](shardkit::thread_comm& c) -> std::string {
+    std::ostringstream fail;
+    auto check = [&](bool ok, auto&&... what) {
+      if (!ok && fail.tellp() == 0) (fail << ... << what);
+    };
+    shardkit::model_spec model;
+    std::size_t next_unit = 0;
+    for (std::size_t i = 0; i < mc.sizes.size(); ++i) {
+      if (next_unit < mc.units.size() && mc.units[next_unit] == i) {
+        model.begin_unit();
+        ++next_unit;
+      }
+      model.add("p" + std::to_string(i), mc.sizes[i]);
+    }
+    engine_t eng(c, model, typename engine_t::optimizer_options{}, v.options);
+    check(engine_t::precision() == s.bytes, "precision_of disagrees with engine::precision()");
+    const auto rank = static_cast<std::uint64_t>(c.rank());
+    const plan::comm_bytes want = plan::bytes_sent_per_step(s, units, rank);
+
+    std::vector<float> g;
+    for (int step = 1; step <= 2; ++step) {
+      const shardkit::traffic_ledger before = eng.traffic();
+      for (int mb = 0; mb < v.micro_batches; ++mb) {
+        // The unit hooks gather under ZeRO-3 and are no-ops in stages 0-2.
+        for (std::size_t u = 0; u < eng.num_units(); ++u) {
+          eng.pre_forward(u);
+          eng.post_forward(u);
+        }
+        for (std::size_t i = mc.sizes.size(); i-- > 0;) {  // backward order
+          const std::size_t u = eng.unit_of(i);
+          if (i + 1 == mc.sizes.size() || eng.unit_of(i + 1) != u) eng.pre_backward(u);
+          g.assign(mc.sizes[i], 0.001f * static_cast<float>(1 + mb + c.rank()) * eng.loss_scale());
+          eng.grad_ready(i, g);
+          if (i == 0 || eng.unit_of(i - 1) != u) eng.post_backward(u);
+        }
+      }
+      const auto rep = eng.step();
+      const auto sent = eng.traffic().since(before);
+      check(rep.bytes_sent == want.total(), "step ", step, ": step_report::bytes_sent ",
+            rep.bytes_sent, ", planner ", want.total());
+      for (const collective op :
+           {collective::all_reduce, collective::reduce_scatter, collective::all_gather}) {
+        check(sent.bytes_sent(op) == want.bytes(op), "step ", step, ": ", op, " sent ",
+              sent.bytes_sent(op), " bytes, planner ", want.bytes(op));
+        // With one rank the engine still calls its (empty) collectives; the planner counts
+        // the ones that move data.
+        if (N > 1) {
+          check(sent.calls(op) == want.calls(op), "step ", step, ": ", op, " called ",
+                sent.calls(op), " times, planner ", want.calls(op));
+        }
+      }
+      check(sent.bytes_sent(collective::broadcast) == 0 &&
+                sent.bytes_sent(collective::all_to_all) == 0,
+            "the engine used a collective the planner does not model");
+    }
+
+    const auto& mem = eng.memory();
+    const auto got = eng.measured_state_bytes();
+    check(got == want_mem.model_state(), "model state (", got.working_params, ", ", got.grads, ", ",
+          got.master_params, ", ", got.optimizer_moments, "), planner (", want_mem.working_params,
+          ", ", want_mem.grads, ", ", want_mem.master_params, ", ", want_mem.optimizer_moments,
+          ")");
+    check(got == eng.expected_state_bytes(), "formulas.hpp disagrees with the ledger");
+    check(mem.peak(memory_category::grad_buckets) == want_mem.grad_buckets, "grad_buckets peak ",
+          mem.peak(memory_category::grad_buckets), ", planner ", want_mem.grad_buckets);
+    check(mem.peak(memory_category::comm_scratch) == want_mem.comm_scratch, "comm_scratch peak ",
+          mem.peak(memory_category::comm_scratch), ", planner ", want_mem.comm_scratch);
+    // ZeRO-3's gathered bytes and the total are bounds (the window of live units); for stages
+    // 0-2 nothing is freed during a step and they are exact.
+    const std::uint64_t gathered = mem.peak(memory_category::gathered_params);
+    check(stage == 3 ? gathered <= want_mem.gathered_params : gathered == want_mem.gathered_params,
+          "gathered_params peak ", gathered, ", planner ", want_mem.gathered_params);
+    check(stage == 3 ? mem.total_peak() <= want_mem.total() : mem.total_peak() == want_mem.total(),
+          "total peak ", mem.total_peak(), ", planner ", want_mem.total());
+    return fail.str();
+  });
+}
+
+template <class Policies, class W, class Opt>
+void compare_all() {
+  for (const auto& mc : models()) {
+    for (const auto& v : variants()) {
+      for (int N : {1, 2, 3, 4, 8}) {
+        const auto per_rank = compare<Policies, W, Opt>(N, mc, v);
+        for (std::size_t r = 0; r < per_rank.size(); ++r) {
+          INFO("stage " << Policies::stage << ", " << shardkit::dtype_of<W> << " + " << Opt::name
+                        << ", model '" << mc.name << "', " << v.name << ", " << N << " ranks, rank "
+                        << r);
+          CHECK(per_rank[r] == "");
+        }
+      }
+    }
+  }
+}
+
+//! The whole matrix for one stage: dtypes and optimizers.
+template <class Policies>
+void check_stage() {
+  compare_all<Policies, shardkit::bf16, shardkit::adamw>();
+  compare_all<Policies, shardkit::fp16, shardkit::adam>();
+  compare_all<Policies, float, shardkit::sgd_momentum>();
+  compare_all<Policies, float, shardkit::adamw>();
+}
+
+}  // namespace
+
+// One line per stage the engine implements.
+TEST_CASE("planner equals the engine's ledgers: stage 0") {
+  check_stage<shardkit::zero0>();
+}
+TEST_CASE("planner equals the engine's ledgers: stage 1") {
+  check_stage<shardkit::zero1>();
+}
+TEST_CASE("planner equals the engine's ledgers: stage 2") {
+  check_stage<shardkit::zero2>();
+}
+TEST_CASE("planner equals the engine's ledgers: stage 3") {
+  check_stage<shardkit::zero3>();
+}
