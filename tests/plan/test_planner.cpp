@@ -237,10 +237,15 @@ TEST_CASE("planner: ZeRO-3 units, prefetch, persistence and resharding (docs/acc
   CHECK(plan::live_elems(s, std::span<const plan::unit>(units)) == 4 * (75 + 5));
   s.prefetch = 1;
 
-  // Live limit: an error at set-up when the bound exceeds it.
-  s.max_live_elems = 620;
+    // Live limit: the engine prefetches less to stay under it (the bound is capped), and only a
+  // limit below the largest unit plus the persistent ones, 4·(75 + 5) = 320 elements, is an
+  // error at set-up.
+  s.max_live_elems = 400;
   CHECK(plan::live_limit_ok(s, plan::summarize(s, units)));
-  s.max_live_elems = 619;
+  CHECK(plan::live_elems(s, std::span<const plan::unit>(units)) == 400);
+  s.max_live_elems = 320;
+  CHECK(plan::live_limit_ok(s, plan::summarize(s, units)));
+  s.max_live_elems = 319;
   CHECK_FALSE(plan::live_limit_ok(s, plan::summarize(s, units)));
   CHECK_FALSE(plan::plan_stage(s, units, {}, {1'000'000'000}).fits);
   s.max_live_elems = 0;

@@ -72,11 +72,14 @@ struct memory_bytes {
 //! D = prefetch depth; U_t = non-persistent units (at most 1 + D of them are gathered at a
 //! time: the current one and D prefetched); persistent units (Ψ_u < persist_below) stay
 //! gathered all step; "kept" = non-persistent units with reshard_after_forward = false, which
-//! stay gathered from their forward to their backward. 0 for stages 0-2.
+//! stay gathered from their forward to their backward. A live limit (max_live_elems) caps it:
+//! the engine prefetches less rather than exceed the limit. 0 for stages 0-2.
 constexpr std::uint64_t live_elems(const setup& s, const layout_summary& l) noexcept {
   if (s.stage != 3) return 0;
   const std::uint64_t window = std::min<std::uint64_t>(1 + s.prefetch, l.transient_units);
-  return l.ranks * (window * l.largest_transient_shard + l.persistent_shard + l.kept_shard);
+  const std::uint64_t bound =
+      l.ranks * (window * l.largest_transient_shard + l.persistent_shard + l.kept_shard);
+  return s.max_live_elems != 0 ? std::min(bound, s.max_live_elems) : bound;
 }
 
 //! As above, for a model.
@@ -84,10 +87,14 @@ constexpr std::uint64_t live_elems(const setup& s, std::span<const unit> units) 
   return live_elems(s, summarize(s, units));
 }
 
-//! ZeRO-3: true when the live bound fits setup::max_live_elems (always true without a limit
-//! and for stages 0-2). The engine refuses a set-up where this is false.
+//! ZeRO-3: true when the live limit (setup::max_live_elems) leaves room for the largest unit
+//! next to the persistent and kept ones (always true without a limit and for stages 0-2). The
+//! engine refuses a set-up whose largest unit and persistent units do not fit the limit, and a
+//! gather that would exceed it while kept units are held.
 constexpr bool live_limit_ok(const setup& s, const layout_summary& l) noexcept {
-  return s.max_live_elems == 0 || live_elems(s, l) <= s.max_live_elems;
+  if (s.stage != 3 || s.max_live_elems == 0) return true;
+  return l.ranks * (l.largest_transient_shard + l.persistent_shard + l.kept_shard) <=
+         s.max_live_elems;
 }
 
 //! Bytes one rank holds for the layout `l` of setup `s` (see the file comment).
