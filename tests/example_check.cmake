@@ -1,7 +1,8 @@
 # Runs the main example with --json and checks the object a user scripts against:
 # every documented key, one loss per step, a falling loss, ledger bytes equal to the formula.
 # Usage: cmake -DEXE=... -DSTAGE=... -DDTYPE=... -DRANKS=... -P example_check.cmake
-execute_process(COMMAND "${EXE}" --stage ${STAGE} --dtype ${DTYPE} --ranks ${RANKS} --steps 8 --json
+separate_arguments(extra UNIX_COMMAND "${EXTRA}")
+execute_process(COMMAND "${EXE}" --stage ${STAGE} --dtype ${DTYPE} --ranks ${RANKS} --steps 8 --json ${extra}
                 OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "example failed (${rc}): ${err}")

@@ -39,6 +39,7 @@ struct config {
   std::uint64_t seed = 42;
   std::size_t bucket = 0;    // ZeRO-2 bucket elements; 0 = one bucket per layer
   std::size_t prefetch = 1;  // ZeRO-3 units gathered ahead
+  std::size_t hybrid = 0;    // shard within groups of this many ranks (0: all)
   bool json = false;
   bool check = false;
 };
@@ -47,7 +48,8 @@ struct config {
   std::cerr << "error: " << why << "\n"
             << "usage: shardkit_example_01_mlp_zero [--stage 0|1|2|3] [--ranks N] [--steps K]\n"
                "         [--layers a,b,c,...] [--dtype fp32|bf16] [--batch B] [--lr X]\n"
-               "         [--bucket ELEMS] [--prefetch D] [--seed S] [--json] [--check]\n";
+               "                  [--bucket ELEMS] [--prefetch D] [--hybrid G] [--seed S] [--json] "
+               "[--check]\n";
   std::exit(2);
 }
 
@@ -74,6 +76,8 @@ config parse(int argc, char** argv) {
       c.stage = static_cast<int>(parse_int(a, value(), 0, 3));
     else if (a == "--prefetch")
       c.prefetch = static_cast<std::size_t>(parse_int(a, value(), 0, 64));
+    else if (a == "--hybrid")
+      c.hybrid = static_cast<std::size_t>(parse_int(a, value(), 0, 64));
     else if (a == "--ranks")
       c.ranks = static_cast<int>(parse_int(a, value(), 1, 64));
     else if (a == "--steps")
@@ -145,6 +149,7 @@ run_result train(const config& c, int ranks, std::size_t batch) {
     shardkit::engine_options eo;
     eo.bucket_elems = c.bucket;
     eo.prefetch = c.prefetch;
+    eo.shard_group_size = c.hybrid;
     engine_t eng(comm, model, {.lr = c.lr, .weight_decay = c.weight_decay}, eo);
 
     run_result r;
@@ -231,7 +236,9 @@ int main(int argc, char** argv) try {
   const mlp::shape shape{c.layers};
   const run_result r = train_any(c, c.stage, c.ranks, c.batch);
   // The same global batch on one rank without sharding: the reference.
-  const run_result ref = train_any(c, 0, 1, c.batch * static_cast<std::size_t>(c.ranks));
+  config single = c;
+  single.hybrid = 0;
+  const run_result ref = train_any(single, 0, 1, c.batch * static_cast<std::size_t>(c.ranks));
   double max_diff = 0.0;
   for (std::size_t i = 0; i < r.params.size(); ++i) {
     max_diff = std::max(max_diff, std::fabs(static_cast<double>(r.params[i]) - ref.params[i]));
@@ -284,6 +291,12 @@ int main(int argc, char** argv) try {
         "AdamW lr %g\n\n",
         with_commas(psi).c_str(), c.stage, N, c.dtype.c_str(),
         c.dtype == "bf16" ? " + fp32 master" : "", static_cast<double>(c.lr));
+    if (c.hybrid != 0 && c.hybrid != static_cast<std::size_t>(N)) {
+      std::printf(
+          "hybrid sharding: shard groups of %zu ranks, %zu replicas (the formula adds "
+          "the replicas' all-reduce of the gradient shard)\n\n",
+          c.hybrid, static_cast<std::size_t>(N) / c.hybrid);
+    }
     std::printf("step   loss (global batch of %zu)\n", c.batch * static_cast<std::size_t>(N));
     for (std::size_t i = 0; i < r.losses.size(); ++i)
       std::printf("%4zu   %.4f\n", i + 1, r.losses[i]);

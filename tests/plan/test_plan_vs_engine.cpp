@@ -60,6 +60,12 @@ std::vector<variant> variants() {
   z3b.prefetch = 0;
   z3b.max_live_elems = 40000;
   v.push_back({"no prefetch, at most 40000 live elements, 2 micro-batches", z3b, 2});
+  shardkit::engine_options hybrid;
+  hybrid.shard_group_size = 2;
+  v.push_back({"hybrid sharding in groups of 2", hybrid, 1});
+  shardkit::engine_options hybrid_mb = hybrid;
+  hybrid_mb.grad_buffers = 2;
+  v.push_back({"hybrid sharding in groups of 2, 2 staging buffers, 3 micro-batches", hybrid_mb, 3});
   return v;
 }
 
@@ -96,6 +102,7 @@ std::vector<std::string> compare(int N, const test::model_case& mc, const varian
   s.prefetch = v.options.prefetch;
   s.persist_below = v.options.persist_below;
   s.max_live_elems = v.options.max_live_elems;
+  s.shard_ranks = v.options.shard_group_size;
   const auto units = planner_units(mc, v.options, stage);
   const plan::memory_bytes want_mem = plan::memory_per_rank(s, units);
 
@@ -182,6 +189,8 @@ void compare_all() {
   for (const auto& mc : models()) {
     for (const auto& v : variants()) {
       for (int N : {1, 2, 3, 4, 8}) {
+        const auto G = static_cast<int>(v.options.shard_group_size);
+        if (G != 0 && (N % G != 0 || Policies::stage == 0)) continue;  // hybrid needs G | N
         const auto per_rank = compare<Policies, W, Opt>(N, mc, v);
         for (std::size_t r = 0; r < per_rank.size(); ++r) {
           INFO("stage " << Policies::stage << ", " << shardkit::dtype_of<W> << " + " << Opt::name

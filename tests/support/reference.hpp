@@ -113,6 +113,15 @@ inline state_bytes facts_bytes(int stage, std::uint64_t psi, std::uint64_t n, st
   }
 }
 
+//! Bytes rank r of `ranks` sends in a ring all-reduce of n elements of w bytes (chunks
+//! ⌊(q+1)n/N⌋ - ⌊qn/N⌋; every chunk but its own in each of the two phases).
+inline std::uint64_t all_reduce_bytes(std::uint64_t n, std::uint64_t ranks, std::uint64_t r,
+                                      std::uint64_t w) {
+  if (ranks <= 1) return 0;
+  auto chunk = [&](std::uint64_t q) { return (q + 1) * n / ranks - q * n / ranks; };
+  return (2 * n - chunk(r) - chunk((r + 1) % ranks)) * w;
+}
+
 //! FACTS.md: bytes rank r sends per step. Stage 0 all-reduces Ψ elements with the ring
 //! algorithm's chunks (2(N-1)/N·wΨ when N divides Ψ); stages 1 and 2 reduce-scatter and
 //! all-gather N·S elements.

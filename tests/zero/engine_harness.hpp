@@ -160,7 +160,12 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
       reference.group.insert(reference.group.end(), mc.sizes[i], group_of(i));
 
     // Shard size and per-group sizes from the specification, not from the engine.
-    const std::uint64_t n = static_cast<std::uint64_t>(N);
+    // Hybrid sharding: shard over groups of G consecutive ranks, R = N / G replicas.
+    const std::uint64_t nw = static_cast<std::uint64_t>(N);
+    const std::uint64_t G =
+        stage != 0 && cfg.options.shard_group_size != 0 ? cfg.options.shard_group_size : nw;
+    const std::uint64_t R = nw / G;
+    const std::uint64_t n = G;  // ranks a group is sharded over
     std::uint64_t S = 0, largest_padded = 0;
     for (auto [b, e] : expected_groups(stage, mc, cfg.options.bucket_elems)) {
       std::uint64_t psi_g = 0;
@@ -269,8 +274,10 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
       }
       check(!rep.skipped, "step ", t, " was skipped without an overflow");
       if (K == 1) {
-        std::uint64_t want =
-            ref::facts_step_bytes(stage, psi, n, S, w, static_cast<std::uint64_t>(c.rank()));
+        const std::uint64_t me = static_cast<std::uint64_t>(c.rank());
+        std::uint64_t want = stage == 0 ? ref::facts_step_bytes(0, psi, nw, S, w, me)
+                                        : ref::facts_step_bytes(stage, psi, n, S, w, me % G) +
+                                              ref::all_reduce_bytes(S, R, me / G, w);
         if (stage == 3) {  // persistent and kept units skip one all-gather per step
           for (const auto& us : units) {
             if (us.persistent || us.kept) want -= (n - 1) * us.shard * w;
@@ -287,22 +294,30 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
       for (std::size_t i = 0; i < P; ++i) {
         for (std::size_t k = 0; k < mc.sizes[i]; ++k, ++flat) {
           double total = 0;
-          if (stage <= 1) {  // local accumulation, then one reduction
-            for (int r = 0; r < N; ++r) {
-              double local = ref::grad_value(t, r, i, k, 0);
-              for (int mb = 1; mb < K; ++mb) {
-                local = ref::round_to<W>(local + ref::grad_value(t, r, i, k, mb));
+          // Each shard group (G consecutive ranks; all N without hybrid sharding) reduces in
+          // W, then the R replicas' results are summed and rounded once more.
+          for (std::uint64_t q = 0; q < R; ++q) {
+            const int r0 = static_cast<int>(q * G), r1 = static_cast<int>((q + 1) * G);
+            double acc = 0;
+            if (stage <= 1) {  // local accumulation, then one reduction
+              for (int r = r0; r < r1; ++r) {
+                double local = ref::grad_value(t, r, i, k, 0);
+                for (int mb = 1; mb < K; ++mb) {
+                  local = ref::round_to<W>(local + ref::grad_value(t, r, i, k, mb));
+                }
+                acc += local;
               }
-              total += local;
+              acc = ref::round_to<W>(acc);
+            } else {  // reduce every micro-batch, accumulate in the shard
+              for (int mb = 0; mb < K; ++mb) {
+                double s = 0;
+                for (int r = r0; r < r1; ++r) s += ref::grad_value(t, r, i, k, mb);
+                acc = mb == 0 ? ref::round_to<W>(s) : ref::round_to<W>(acc + ref::round_to<W>(s));
+              }
             }
-            total = ref::round_to<W>(total);
-          } else {
-            for (int mb = 0; mb < K; ++mb) {
-              double s = 0;
-              for (int r = 0; r < N; ++r) s += ref::grad_value(t, r, i, k, mb);
-              total = mb == 0 ? ref::round_to<W>(s) : ref::round_to<W>(total + ref::round_to<W>(s));
-            }
+            total += acc;
           }
+          total = ref::round_to<W>(total);
           double m = cfg.options.average_grads ? total / N : total;
           if (cfg.declare_micro_batches && cfg.options.average_grads) m /= K;
           mean[flat] = m;
@@ -331,7 +346,7 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
     if constexpr (engine_t::has_master) {
       const auto& L = eng.layout();
       const std::size_t s_elems = L.shard_numel();
-      std::vector<float> all(s_elems * (stage == 0 ? 1 : n));
+      std::vector<float> all(s_elems * (stage == 0 ? 1 : nw));
       if constexpr (stage == 0) {
         std::copy(eng.master_shard().begin(), eng.master_shard().end(), all.begin());
       } else {
@@ -418,14 +433,23 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
     // The communicator recorded exactly what the engine says it sent (the all_gather above
     // for the master check is outside the engine).
     c.barrier();  // every asynchronous collective this rank issued has completed
-    const auto sent = c.traffic().since(traffic0);
+        auto sent = c.traffic().since(traffic0);
+    shardkit::traffic_ledger sub;  // hybrid sharding: the shard and replica groups' collectives
+    for (auto* sc : {eng.shard_comm(), eng.replica_comm()}) {
+      if (sc == nullptr) continue;
+      sc->barrier();
+      for (auto k : {shardkit::collective::all_reduce, shardkit::collective::reduce_scatter,
+                     shardkit::collective::all_gather}) {
+        sub.record(k, sc->traffic().bytes_sent(k));
+      }
+    }
     const std::uint64_t extra =
         engine_t::has_master && stage != 0
             ? shardkit::ring_bytes_sent(shardkit::collective::all_gather,
-                                        eng.layout().shard_numel(), 4, n,
+                                        eng.layout().shard_numel(), 4, nw,
                                         static_cast<std::uint64_t>(c.rank()))
             : 0;
-    check(sent.total_bytes_sent() ==
+        check(sent.total_bytes_sent() + sub.total_bytes_sent() ==
               eng.traffic().total_bytes_sent() + eng.control_traffic().total_bytes_sent() + extra,
           "communicator recorded ", sent.total_bytes_sent(), " bytes, engine ",
           eng.traffic().total_bytes_sent(), " + control ",

@@ -145,3 +145,57 @@ TEMPLATE_TEST_CASE("summed instead of averaged gradients", "[engine]", test::thr
   test::require_ok(test::train<World, zero1, bf16, adamw>(3, mc, cfg));
   test::require_ok(test::train<World, zero2, float, adam>(3, mc, cfg));
 }
+
+TEMPLATE_TEST_CASE("hybrid sharding: shard within groups of G ranks, replicate across N/G",
+                   "[engine][hybrid]", test::thread_world) {
+  using World = TestType;
+  const auto [n, g] = GENERATE(std::pair{4, 2}, std::pair{6, 3}, std::pair{8, 2}, std::pair{8, 4});
+  const auto mc = test::model_cases()[GENERATE(0u, 1u, 3u)];
+  CAPTURE(n, g, mc.name);
+  test::run_config cfg;
+  cfg.options.shard_group_size = static_cast<std::size_t>(g);
+  cfg.options.report_grad_norm = true;  // each element counted once, not once per replica
+  SECTION("fp32: exact sums, so hybrid equals plain ZeRO and stage 0 bit for bit") {
+    test::run_config plain;
+    const auto h = test::agreed_working_hash(test::train<World, zero0, float, adam>(n, mc, plain));
+    const auto h1 = test::train<World, zero1, float, adam>(n, mc, cfg);
+    const auto h2 = test::train<World, zero2, float, adam>(n, mc, cfg);
+    const auto h3 = test::train<World, zero3, float, adam>(n, mc, cfg);
+    test::require_ok(h1);
+    test::require_ok(h2);
+    test::require_ok(h3);
+    CHECK(test::agreed_working_hash(h1) == h);
+    CHECK(test::agreed_working_hash(h2) == h);
+    CHECK(test::agreed_working_hash(h3) == h);
+  }
+  SECTION("bf16: two-level rounding, against the reference; stages agree with each other") {
+    cfg.options.clip_grad_norm = 0.5f;
+    const auto h1 = test::train<World, zero1, bf16, adam>(n, mc, cfg);
+    const auto h2 = test::train<World, zero2, bf16, adam>(n, mc, cfg);
+    const auto h3 = test::train<World, zero3, bf16, adam>(n, mc, cfg);
+    test::require_ok(h1);
+    test::require_ok(h2);
+    test::require_ok(h3);
+    CHECK(test::agreed_working_hash(h2) == test::agreed_working_hash(h1));
+    CHECK(test::agreed_working_hash(h3) == test::agreed_working_hash(h1));
+  }
+}
+
+TEST_CASE("hybrid sharding rejects group sizes that do not tile the ranks",
+          "[engine][hybrid][errors]") {
+  auto r = run_ranks(6, [](thread_comm& c) -> std::string {
+    std::vector<float> w(10);
+    model_spec m;
+    m.add("w", w);
+    engine_options o;
+    o.shard_group_size = 4;
+    try {
+      engine<thread_comm, zero2, bf16, adamw> e(c, m, {}, o);
+    } catch (const invalid_argument& x) {
+      return x.what();
+    }
+    return {};
+  });
+  for (const auto& msg : r)
+    REQUIRE_THAT(msg, Catch::Contains("shard_group_size = 4 does not divide the 6 ranks"));
+}

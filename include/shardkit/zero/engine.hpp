@@ -131,6 +131,13 @@ struct engine_options {
   std::optional<loss_scale_options> loss_scale;
   //! Turn dynamic loss scaling off even for fp16.
   bool disable_loss_scale = false;
+
+  //! Hybrid sharding (stages 1-3; FSDP's HYBRID_SHARD, ZeRO++'s hpZ): shard within groups of
+  //! this many consecutive ranks and replicate across the N / G groups. Gradients are
+  //! reduce-scattered inside the shard group and their shard all-reduced across the replicas;
+  //! parameters are gathered inside the shard group. 0 (or N) = shard over all ranks. Needs a
+  //! communicator with split(); N must be a multiple of G.
+  std::size_t shard_group_size = 0;
 };
 
 //! One entry of the ZeRO-3 timeline (engine_options::trace).
@@ -237,7 +244,8 @@ class engine {
     if (!numels.empty() && unit_starts_.back() >= numels.size()) {
       detail::raise("engine: the last unit declared with begin_unit() has no parameters");
     }
-    const std::size_t n = static_cast<std::size_t>(ranks_);
+    setup_hybrid(comm);
+    const std::size_t n = static_cast<std::size_t>(shard_size_);
     if constexpr (stage == 0) {
       layout_ = flat_layout(numels, {}, 1, 1);
     } else if constexpr (stage == 1) {
@@ -483,6 +491,7 @@ class engine {
     }
     if constexpr (shards_params) check_units_done();
     reduce_gradients();
+    reduce_across_replicas();
 
     step_report rep;
     rep.micro_batches = std::max<std::size_t>(micro_batches_, 1);
@@ -537,21 +546,30 @@ class engine {
   std::uint64_t steps_taken() const noexcept { return steps_; }
   int rank() const noexcept { return rank_; }
   int ranks() const noexcept { return ranks_; }
+  //! Hybrid sharding: this rank's position in its shard group, the group's size G, and the
+  //! number of replicas R = N / G (plain ZeRO: rank(), N and 1).
+  int shard_rank() const noexcept { return shard_rank_; }
+  int shard_size() const noexcept { return shard_size_; }
+    int replicas() const noexcept { return ranks_ / shard_size_; }
+  //! Hybrid sharding: the communicators of this rank's shard group and replica group (nullptr
+  //! without hybrid sharding). Their traffic ledgers hold the engine's data collectives.
+  Comm* shard_comm() noexcept { return shard_comm_ ? &*shard_comm_ : nullptr; }
+  Comm* replica_comm() noexcept { return replica_comm_ ? &*replica_comm_ : nullptr; }
   //! Optimizer options of parameter group g.
   const optimizer_options& options(std::size_t g = 0) const { return groups_.at(g); }
   const engine_options& settings() const noexcept { return options_; }
 
   //! Model-state bytes per rank that plan/formulas.hpp predicts for this configuration.
   plan::state_bytes expected_state_bytes() const noexcept {
-    return plan::model_state_bytes(stage, layout_.numel(), static_cast<std::uint64_t>(ranks_),
+    return plan::model_state_bytes(stage, layout_.numel(), static_cast<std::uint64_t>(shard_size_),
                                    stage == 0 ? layout_.numel() : layout_.shard_numel(),
                                    precision());
   }
   //! Data bytes per rank per step (one micro-batch) predicted for this configuration.
   std::uint64_t expected_step_bytes_sent() const noexcept {
     if constexpr (shards_params) {
-      const std::uint64_t n = static_cast<std::uint64_t>(ranks_);
-      std::uint64_t total = 0;
+      const std::uint64_t n = static_cast<std::uint64_t>(shard_size_);
+      std::uint64_t total = replica_bytes_per_step();
       for (std::size_t u = 0; u < units_.size(); ++u) {
         const std::uint64_t passes =
             units_[u].persistent ? 2 : (units_[u].reshard_after_forward ? 3 : 2);
@@ -559,9 +577,11 @@ class engine {
       }
       return total;
     } else {
-      return plan::step_bytes_sent(stage, layout_.numel(), static_cast<std::uint64_t>(ranks_),
+      return plan::step_bytes_sent(stage, layout_.numel(),
+                                   static_cast<std::uint64_t>(stage == 0 ? ranks_ : shard_size_),
                                    layout_.shard_numel(), sizeof(Working),
-                                   static_cast<std::uint64_t>(rank_));
+                                   static_cast<std::uint64_t>(stage == 0 ? rank_ : shard_rank_)) +
+             replica_bytes_per_step();
     }
   }
   //! ZeRO-3: the most gathered-parameter bytes the schedule may hold at once:
@@ -761,7 +781,7 @@ class engine {
 
   // Runs of this rank's true (non-padding) elements with one parameter group each.
   void build_runs() {
-    const std::size_t r = stage == 0 ? 0 : static_cast<std::size_t>(rank_);
+    const std::size_t r = stage == 0 ? 0 : static_cast<std::size_t>(shard_rank_);
     for (const auto& pc : layout_.pieces(r)) {
       const std::size_t pg = param_groups_[pc.param];
       if (!runs_.empty()) {
@@ -777,7 +797,7 @@ class engine {
   }
 
   void load_initial(const model_spec& model) {
-    const std::size_t r = stage == 0 ? 0 : static_cast<std::size_t>(rank_);
+    const std::size_t r = stage == 0 ? 0 : static_cast<std::size_t>(shard_rank_);
     std::vector<float> tmp;
     for (std::size_t i = 0; i < model.size(); ++i) {
       const auto& mp = model[i];
@@ -812,9 +832,79 @@ class engine {
     }
   }
 
+  // Hybrid sharding: split the communicator into this rank's shard group (G consecutive ranks)
+  // and its replica group (the ranks at the same position in every shard group).
+  void setup_hybrid(Comm& comm) {
+    const std::size_t g = options_.shard_group_size;
+    shard_rank_ = rank_;
+    shard_size_ = ranks_;
+    if (g == 0 || g == static_cast<std::size_t>(ranks_)) return;
+    if constexpr (stage == 0) {
+      detail::raise("engine: engine_options::shard_group_size = ", g,
+                    " but stage 0 shards nothing; hybrid sharding applies to stages 1-3");
+    } else if constexpr (!requires { comm.split(0, 0); }) {
+      detail::raise("engine: hybrid sharding (shard_group_size = ", g,
+                    ") needs a communicator with split(color, key)");
+    } else {
+      if (static_cast<std::size_t>(ranks_) % g != 0) {
+        detail::raise("engine: engine_options::shard_group_size = ", g, " does not divide the ",
+                      ranks_, " ranks (every shard group must have the same size)");
+      }
+      const int gi = static_cast<int>(g);
+      shard_comm_.emplace(comm.split(rank_ / gi, rank_));
+      replica_comm_.emplace(comm.split(rank_ % gi, rank_));
+      shard_rank_ = rank_ % gi;
+      shard_size_ = gi;
+    }
+  }
+
+  // The communicator of data collectives: the shard group (all ranks without hybrid).
+  Comm& data_comm() noexcept { return shard_comm_ ? *shard_comm_ : comm_; }
+
+  // Hybrid sharding: the gradient shard is all-reduced across the replicas, once per step.
+  void reduce_across_replicas() {
+    if (!replica_comm_ || replica_comm_->size() == 1) return;
+    auto& rc = *replica_comm_;
+    auto all_reduce = [&](Working* p, std::size_t count) {
+      if (count == 0) return;
+      rc.all_reduce(p, p, count, reduce_op::sum);
+      traffic_.record(collective::all_reduce,
+                      ring_bytes_sent(collective::all_reduce, count, sizeof(Working),
+                                      static_cast<std::size_t>(rc.size()),
+                                      static_cast<std::size_t>(rc.rank())));
+      schedule_hash_ = detail_hash(schedule_hash_ ^ 0x5eedull ^ count);
+    };
+    if constexpr (shards_grads) {
+      all_reduce(grads_.data(), grads_.size());
+    } else {
+      for (const auto& ge : layout_.groups()) {
+        all_reduce(grads_.data() + ge.offset + static_cast<std::size_t>(shard_rank_) * ge.shard,
+                   ge.shard);
+      }
+    }
+  }
+
+  // Bytes of the per-step replica all-reduce (0 without hybrid sharding).
+  std::uint64_t replica_bytes_per_step() const noexcept {
+    const std::size_t R = static_cast<std::size_t>(ranks_ / shard_size_);
+    if (R <= 1) return 0;
+    const std::size_t q = static_cast<std::size_t>(rank_ / shard_size_);
+    std::uint64_t b = 0;
+    if constexpr (shards_grads) {
+      b = ring_bytes_sent(collective::all_reduce, layout_.shard_numel(), sizeof(Working), R, q);
+    } else {
+      for (const auto& ge : layout_.groups()) {
+        b += ring_bytes_sent(collective::all_reduce, ge.shard, sizeof(Working), R, q);
+      }
+    }
+    return b;
+  }
+
+  // Records a data collective on the shard group's communicator (all ranks without hybrid).
   void record(collective c, std::size_t count, std::size_t group) {
-    traffic_.record(c, ring_bytes_sent(c, count, sizeof(Working), static_cast<std::size_t>(ranks_),
-                                       static_cast<std::size_t>(rank_)));
+    traffic_.record(c, ring_bytes_sent(c, count, sizeof(Working),
+                                       static_cast<std::size_t>(stage == 0 ? ranks_ : shard_size_),
+                                       static_cast<std::size_t>(stage == 0 ? rank_ : shard_rank_)));
     schedule_hash_ = detail_hash(schedule_hash_ ^ (static_cast<std::uint64_t>(c) << 56) ^ group);
   }
   static std::uint64_t detail_hash(std::uint64_t z) noexcept {
@@ -876,7 +966,8 @@ class engine {
       }
       target = sl.scratch.data();
     }
-    sl.work.emplace(comm_.reduce_scatter_async(sl.full.data(), target, ge.shard, reduce_op::sum));
+    sl.work.emplace(
+        data_comm().reduce_scatter_async(sl.full.data(), target, ge.shard, reduce_op::sum));
     record(collective::reduce_scatter, ge.shard, g);
     if constexpr (shards_params) note(trace_event::kind::grads_reduced, g, true);
     sl.filling = false;
@@ -997,8 +1088,8 @@ class engine {
     x.gathered = buffer<Working>(ge.padded, &memory_, memory_category::gathered_params);
     x.state = unit_state::inflight;
     if (ge.shard != 0) {
-      x.gather.emplace(
-          comm_.all_gather_async(params_.data() + ge.shard_offset, x.gathered.data(), ge.shard));
+      x.gather.emplace(data_comm().all_gather_async(params_.data() + ge.shard_offset,
+                                                    x.gathered.data(), ge.shard));
       record(collective::all_gather, ge.shard, u);
     }
     note(trace_event::kind::gather_issued, u, backward);
@@ -1190,8 +1281,9 @@ class engine {
         const auto& ge = layout_.group(g);
         if (ge.shard == 0) continue;
         Working* base = grads_.data() + ge.offset;
-        works.push_back(comm_.reduce_scatter_async(
-            base, base + static_cast<std::size_t>(rank_) * ge.shard, ge.shard, reduce_op::sum));
+        works.push_back(data_comm().reduce_scatter_async(
+            base, base + static_cast<std::size_t>(shard_rank_) * ge.shard, ge.shard,
+            reduce_op::sum));
         record(collective::reduce_scatter, ge.shard, g);
       }
       for (auto& w : works) w.wait();
@@ -1297,6 +1389,12 @@ class engine {
             "same order");
       }
     }
+    // Hybrid sharding: every replica holds the same shards, so the world-wide sums count each
+    // element R times; the integer bins divide exactly.
+    const std::uint64_t R = static_cast<std::uint64_t>(ranks_ / shard_size_);
+    if (stage != 0 && R > 1) {
+      for (std::size_t i = 0; i <= at_nonfinite; ++i) msg[i] /= R;
+    }
     res.nonfinite = msg[at_nonfinite];
     if (stats) {
       host::grad_stats all;
@@ -1358,8 +1456,8 @@ class engine {
         const auto& ge = layout_.group(g);
         if (ge.shard == 0) continue;
         Working* base = params_.data() + ge.offset;
-        works.push_back(comm_.all_gather_async(base + static_cast<std::size_t>(rank_) * ge.shard,
-                                               base, ge.shard));
+        works.push_back(data_comm().all_gather_async(
+            base + static_cast<std::size_t>(shard_rank_) * ge.shard, base, ge.shard));
         record(collective::all_gather, ge.shard, g);
       }
       for (auto& w : works) w.wait();
@@ -1409,6 +1507,10 @@ class engine {
   Comm& comm_;
   int rank_;
   int ranks_;
+  int shard_rank_ = 0;                // position in the shard group (hybrid) or rank_
+  int shard_size_ = 1;                // G (hybrid) or ranks_
+  std::optional<Comm> shard_comm_;    // hybrid sharding only
+  std::optional<Comm> replica_comm_;  // hybrid sharding only
   std::vector<optimizer_options> groups_;
   engine_options options_;
   std::vector<std::string> names_;
