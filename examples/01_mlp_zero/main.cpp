@@ -12,6 +12,7 @@
 //   shardkit_example_01_mlp_zero --check         (exit 1 unless loss falls and bytes match)
 #include <shardkit/shardkit.hpp>
 
+#include "../common/format.hpp"
 #include "../common/mlp.hpp"
 
 #include <cinttypes>
@@ -219,15 +220,7 @@ run_result train_any(const config& c, int stage, int ranks, std::size_t batch) {
                            : train_stage<shardkit::bf16>(c, stage, ranks, batch);
 }
 
-std::string with_commas(std::uint64_t v) {
-  const std::string digits = std::to_string(v);
-  std::string s;
-  for (std::size_t i = 0; i < digits.size(); ++i) {
-    if (i != 0 && (digits.size() - i) % 3 == 0) s += ',';
-    s += digits[i];
-  }
-  return s;
-}
+using examples::with_commas;
 
 }  // namespace
 

@@ -33,6 +33,7 @@
 //   recommended_stage                  the lowest stage that fits, or null
 #include <shardkit/plan/planner.hpp>
 
+#include "../common/format.hpp"
 #include "parse.hpp"
 
 #include <algorithm>
@@ -221,15 +222,7 @@ options parse(int argc, char** argv) {
   return o;
 }
 
-std::string with_commas(std::uint64_t v) {
-  const std::string digits = std::to_string(v);
-  std::string s;
-  for (std::size_t i = 0; i < digits.size(); ++i) {
-    if (i != 0 && (digits.size() - i) % 3 == 0) s += ',';
-    s += digits[i];
-  }
-  return s;
-}
+using examples::with_commas;
 
 // Cross-argument checks, and the model they describe.
 std::vector<plan::unit> build_model(options& o) {

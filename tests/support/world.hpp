@@ -32,6 +32,20 @@ struct thread_world {
   }
 };
 
+//! Runs fn(comm) on n thread ranks; returns each rank's exception message ("" for none), so a
+//! test can check that every rank raised the expected error.
+template <class F>
+std::vector<std::string> errors_per_rank(int n, F fn) {
+  return shardkit::run_ranks(n, [&](shardkit::thread_comm& c) -> std::string {
+    try {
+      fn(c);
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return {};
+  });
+}
+
 //! Asserts that every rank reported no failure.
 inline void require_all_ok(const std::vector<std::string>& per_rank) {
   for (std::size_t r = 0; r < per_rank.size(); ++r) {

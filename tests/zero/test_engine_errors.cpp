@@ -13,18 +13,7 @@ using namespace shardkit;
 
 namespace {
 
-// Runs fn on n thread ranks; returns each rank's exception message ("" for none).
-template <class F>
-std::vector<std::string> errors_per_rank(int n, F fn) {
-  return run_ranks(n, [&](thread_comm& c) -> std::string {
-    try {
-      fn(c);
-    } catch (const std::exception& e) {
-      return e.what();
-    }
-    return {};
-  });
-}
+using test::errors_per_rank;
 
 model_spec small_model(std::vector<std::vector<float>>& storage) {
   storage = {std::vector<float>(10, 0.5f), std::vector<float>(3, -0.5f),

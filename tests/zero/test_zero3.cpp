@@ -55,17 +55,7 @@ void one_step(E& e, std::chrono::microseconds compute = 0us) {
   e.step();
 }
 
-template <class F>
-std::vector<std::string> errors_per_rank(int n, F fn) {
-  return run_ranks(n, [&](thread_comm& c) -> std::string {
-    try {
-      fn(c);
-    } catch (const std::exception& e) {
-      return e.what();
-    }
-    return {};
-  });
-}
+using test::errors_per_rank;
 
 }  // namespace
 
