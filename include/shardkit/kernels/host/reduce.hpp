@@ -12,6 +12,7 @@
 #include <shardkit/kernels/host/simd.hpp>
 
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 
 SHARDKIT_NAMESPACE_BEGIN
@@ -93,6 +94,36 @@ void reduce_ordered(const T* const* in, std::size_t k, T* out, std::size_t n, re
       if (op == reduce_op::avg) acc = static_cast<T>(acc / static_cast<T>(k));
       out[i] = acc;
     }
+  }
+}
+
+//! reduce_ordered for an element type known at run time: `in` holds k pointers to arrays of n
+//! elements of type `t`. Every communicator reduces through this one function, so they agree
+//! bit for bit.
+inline void reduce_ordered(dtype t, const void* const* in, std::size_t k, void* out, std::size_t n,
+                           reduce_op op) {
+  auto run = [&]<class T>(T*) {
+    reduce_ordered(reinterpret_cast<const T* const*>(in), k, static_cast<T*>(out), n, op);
+  };
+  switch (t) {
+    case dtype::f32:
+      return run(static_cast<float*>(nullptr));
+    case dtype::f64:
+      return run(static_cast<double*>(nullptr));
+    case dtype::bf16:
+      return run(static_cast<bf16*>(nullptr));
+    case dtype::f16:
+      return run(static_cast<fp16*>(nullptr));
+    case dtype::i32:
+      return run(static_cast<std::int32_t*>(nullptr));
+    case dtype::i64:
+      return run(static_cast<std::int64_t*>(nullptr));
+    case dtype::u8:
+      return run(static_cast<std::uint8_t*>(nullptr));
+    case dtype::u32:
+      return run(static_cast<std::uint32_t*>(nullptr));
+    case dtype::u64:
+      return run(static_cast<std::uint64_t*>(nullptr));
   }
 }
 
