@@ -58,14 +58,15 @@ struct mpi_world {
   using comm_type = shardkit::mpi_comm;
   static constexpr const char* name = "mpi";
 
+  //! Options of the communicators the rank functions get.
   static shardkit::mpi_comm_options options() {
     shardkit::mpi_comm_options o;
     o.timeout = std::chrono::seconds(60);  // a broken test fails instead of hanging the job
     return o;
   }
-  static void open() {
-    slot() = std::make_unique<shardkit::mpi_comm>(shardkit::mpi_comm::world(options()));
-  }
+  //! The whole job, for splitting and gathering results: default (long) timeout, because the
+  //! processes that sit out a case wait here for as long as the others run it.
+  static void open() { slot() = std::make_unique<shardkit::mpi_comm>(shardkit::mpi_comm::world()); }
   static void close() { slot().reset(); }
   static shardkit::mpi_comm& world() {
     if (!slot()) throw std::logic_error("mpi_world: open() was not called");
@@ -85,9 +86,10 @@ struct mpi_world {
     const bool participates = w.rank() < n;
     std::string mine;  // 1 + encoded result, or 0 + error message
     {
-      auto sub = w.split(participates ? 0 : 1, w.rank());
+      auto group = w.split(participates ? 0 : 1, w.rank());
       if (participates) {
         try {
+          auto sub = shardkit::mpi_comm::duplicate(group.native(), options());
           if constexpr (std::is_void_v<R>) {
             fn(sub);
             mine = serial::encode(std::uint8_t{1});

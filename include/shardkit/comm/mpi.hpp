@@ -270,7 +270,7 @@ class mpi_state {
   //! Starts a collective (after the matching check, when enabled) and queues it.
   std::shared_ptr<mpi_op> issue(std::unique_lock<std::mutex>& lk, const collective_desc& d,
                                 const void* in, void* out) {
-    throw_if_broken(describe(d));
+    throw_if_broken([&] { return describe(d); });
     const std::uint64_t call = ++calls_;
     if (opts_.check_matching) check_matching(lk, d, false, call);
     auto op = std::make_shared<mpi_op>();
@@ -315,7 +315,7 @@ class mpi_state {
     collective_desc d;
     d.color = color;
     d.key = key;
-    throw_if_broken("split");
+    throw_if_broken([] { return std::string("split"); });
     drain(lk);
     const std::uint64_t call = ++calls_;
     if (opts_.check_matching) check_matching(lk, d, true, call);
@@ -374,6 +374,7 @@ class mpi_state {
       // Abandoned MPI operations may still use these buffers and communicators (Open MPI keeps
       // progressing them even on a freed communicator): never free them.
       new std::deque<std::shared_ptr<mpi_op>>(std::move(queue_));
+      new std::vector<std::shared_ptr<mpi_op>>(std::move(failed_));
       new std::vector<std::int64_t>(std::move(check_buffer_));
       queue_.clear();
       return;
@@ -427,8 +428,9 @@ class mpi_state {
   // Completes what can be completed, strictly in issue order.
   void drive() {
     while (!queue_.empty()) {
-      mpi_op& op = *queue_.front();
-      if (!advance(op)) return;
+      auto& op = queue_.front();
+      if (!advance(*op)) return;
+      if (op->error) failed_.push_back(op);  // other parts of it may still be in flight
       queue_.pop_front();
     }
   }
@@ -452,7 +454,6 @@ class mpi_state {
     } catch (...) {
       op.error = std::current_exception();
       op.stage = 2;
-      op.scratch.reset();
       broken_ = concat(op.what(), " failed on rank ", rank_);
     }
     return true;
@@ -462,7 +463,7 @@ class mpi_state {
     for (auto& req : op.requests) {
       if (req == MPI_REQUEST_NULL) continue;
       int flag = 0;
-      mpi_check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test", op.what(), rank_, size_);
+      check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test", op);
       if (!flag) return false;
     }
     op.requests.clear();
@@ -492,9 +493,9 @@ class mpi_state {
       const MPI_Datatype t = mpi_datatype(d.type);
       for (auto& p : op.parts) {
         MPI_Request req = MPI_REQUEST_NULL;
-        mpi_check(MPI_Iallgatherv(MPI_IN_PLACE, 0, t, op.out + p.begin * e, p.counts.data(),
-                                  p.displs.data(), t, phase2_, &req),
-                  "MPI_Iallgatherv", op.what(), rank_, size_);
+        check(MPI_Iallgatherv(MPI_IN_PLACE, 0, t, op.out + p.begin * e, p.counts.data(),
+                              p.displs.data(), t, phase2_, &req),
+              "MPI_Iallgatherv", op);
         op.requests.push_back(req);
       }
       op.stage = 1;
@@ -509,13 +510,12 @@ class mpi_state {
   void make_strided(mpi_type_holder& h, MPI_Datatype t, std::size_t len, std::size_t stride_bytes,
                     const mpi_op& op) const {
     MPI_Datatype contiguous = MPI_DATATYPE_NULL;
-    mpi_check(MPI_Type_contiguous(static_cast<int>(len), t, &contiguous), "MPI_Type_contiguous",
-              op.what(), rank_, size_);
+    check(MPI_Type_contiguous(static_cast<int>(len), t, &contiguous), "MPI_Type_contiguous", op);
     const int rc =
         MPI_Type_create_resized(contiguous, 0, static_cast<MPI_Aint>(stride_bytes), &h.type);
     MPI_Type_free(&contiguous);
-    mpi_check(rc, "MPI_Type_create_resized", op.what(), rank_, size_);
-    mpi_check(MPI_Type_commit(&h.type), "MPI_Type_commit", op.what(), rank_, size_);
+    check(rc, "MPI_Type_create_resized", op);
+    check(MPI_Type_commit(&h.type), "MPI_Type_commit", op);
   }
 
   // Starts the first MPI stage of `op`.
@@ -530,7 +530,7 @@ class mpi_state {
     MPI_Request req = MPI_REQUEST_NULL;
     // Called as issued(MPI_Ixxx(..., &req), "MPI_Ixxx"): reads `req` after the call filled it.
     auto issued = [&](int rc, const char* fn) {
-      mpi_check(rc, fn, op.what(), rank_, size_);
+      check(rc, fn, op);
       op.requests.push_back(req);
       req = MPI_REQUEST_NULL;
     };
@@ -690,11 +690,17 @@ class mpi_state {
     }
   }
 
-  void throw_if_broken(const std::string& what) const {
+  template <class What>
+  void throw_if_broken(What what) const {
     if (!broken_.empty()) {
-      throw comm_aborted(concat("mpi_comm: ", what, " on rank ", rank_, " of ", size_,
+      throw comm_aborted(concat("mpi_comm: ", what(), " on rank ", rank_, " of ", size_,
                                 ": the communicator is unusable: ", broken_));
     }
+  }
+
+  // Throws comm_error naming `op` when an MPI call failed (the message is built only then).
+  void check(int rc, const char* mpi_function, const mpi_op& op) const {
+    if (rc != MPI_SUCCESS) mpi_check(rc, mpi_function, op.what(), rank_, size_);
   }
 
   void progress_loop() {
@@ -723,6 +729,7 @@ class mpi_state {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<mpi_op>> queue_;
+  std::vector<std::shared_ptr<mpi_op>> failed_;  // kept: MPI may still use their buffers
   std::vector<std::int64_t> check_buffer_;
   std::uint64_t calls_ = 0;
   std::string broken_;  // why the communicator is unusable; empty while it is fine
