@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -256,5 +257,25 @@ TEMPLATE_TEST_CASE("bad arguments are rejected on the calling rank and leave it 
     REQUIRE_THAT(msgs[1], Catch::Contains("root -1 is not a rank"));
     REQUIRE_THAT(msgs[2], Catch::Contains("color must be non-negative, got -1"));
     REQUIRE(msgs[3] == std::to_string(2.0f));
+  }
+}
+
+TEMPLATE_TEST_CASE("integer sums wrap around in two's complement", "[comm]", SHARDKIT_TEST_WORLDS) {
+  using World = TestType;
+  using Comm = typename World::comm_type;
+  if (!test::fits<World>(2)) return;
+  auto r = World::run(2, [](Comm& c) {
+    std::int32_t a = std::numeric_limits<std::int32_t>::max();
+    std::int64_t b = std::numeric_limits<std::int64_t>::min();
+    std::uint32_t u = 0xffffffffu;
+    c.all_reduce(&a, &a, 1);
+    c.all_reduce(&b, &b, 1);
+    c.all_reduce(&u, &u, 1);
+    return std::tuple{a, b, u};
+  });
+  for (const auto& [a, b, u] : r) {
+    REQUIRE(a == -2);  // 2 x (2^31 - 1) mod 2^32
+    REQUIRE(b == 0);   // 2 x -2^63 mod 2^64
+    REQUIRE(u == 0xfffffffeu);
   }
 }
