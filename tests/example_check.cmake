@@ -1,13 +1,34 @@
 # Runs the main example with --json and checks the object a user scripts against:
 # every documented key, one loss per step, a falling loss, ledger bytes equal to the formula.
 # Usage: cmake -DEXE=... -DSTAGE=... -DDTYPE=... -DRANKS=... -P example_check.cmake
+# -DEXTRA="..." adds options (for example --prefetch 1 or --hybrid 2).
+# With -DMPIEXEC=... -DNUMPROC_FLAG=... the example runs as an MPI job of RANKS processes
+# (without --ranks): the output must be exactly one JSON object (only rank 0 prints) saying
+# "comm": "mpi", with the same losses and bytes as the in-process run of the same settings.
 separate_arguments(extra UNIX_COMMAND "${EXTRA}")
-execute_process(COMMAND "${EXE}" --stage ${STAGE} --dtype ${DTYPE} --ranks ${RANKS} --steps 8 --json ${extra}
-                OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
+set(args --stage ${STAGE} --dtype ${DTYPE} --steps 8 --json ${extra})
+if(MPIEXEC)
+  execute_process(COMMAND "${MPIEXEC}" ${NUMPROC_FLAG} ${RANKS} "${EXE}" ${args}
+                  OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc TIMEOUT 100)
+  set(want_comm mpi)
+else()
+  execute_process(COMMAND "${EXE}" ${args} --ranks ${RANKS}
+                  OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
+  set(want_comm thread)
+endif()
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "example failed (${rc}): ${err}")
 endif()
-foreach(key stage ranks params shard_elems bytes_per_rank formula_bytes_per_rank
+string(REGEX MATCHALL "\"stage\":" objects "${out}")
+list(LENGTH objects n_objects)
+if(NOT n_objects EQUAL 1)
+  message(FATAL_ERROR "expected one JSON object, got ${n_objects}: ${out}")
+endif()
+string(JSON comm GET "${out}" comm)
+if(NOT comm STREQUAL want_comm)
+  message(FATAL_ERROR "\"comm\" is '${comm}', expected '${want_comm}'")
+endif()
+foreach(key stage ranks comm params shard_elems bytes_per_rank formula_bytes_per_rank
             comm_bytes_per_rank_per_step formula_comm_bytes_per_rank_per_step losses
             max_abs_diff_vs_unsharded)
   string(JSON v ERROR_VARIABLE e GET "${out}" ${key})
@@ -40,4 +61,17 @@ string(JSON ps GET "${out}" params)
 if(NOT ps EQUAL 19210)
   message(FATAL_ERROR "expected 19210 parameters, got ${ps}")
 endif()
-message(STATUS "example stage ${STAGE} ${DTYPE} x${RANKS}: loss ${first} -> ${last}, bytes match the formula")
+if(MPIEXEC)
+  # The same run on in-process ranks: identical losses, parameters and bytes (bit-identical
+  # collectives), so identical JSON apart from "comm".
+  execute_process(COMMAND "${EXE}" ${args} --ranks ${RANKS}
+                  OUTPUT_VARIABLE thread_out ERROR_VARIABLE err RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "in-process example failed (${rc}): ${err}")
+  endif()
+  string(REPLACE "\"comm\": \"thread\"" "\"comm\": \"mpi\"" thread_out "${thread_out}")
+  if(NOT thread_out STREQUAL out)
+    message(FATAL_ERROR "MPI and in-process runs differ:\n${out}\nvs\n${thread_out}")
+  endif()
+endif()
+message(STATUS "example stage ${STAGE} ${DTYPE} x${RANKS} (${comm}): loss ${first} -> ${last}, bytes match the formula")

@@ -1,4 +1,5 @@
-// shardkit example 01: train an MLP with ZeRO on N in-process ranks.
+// shardkit example 01: train an MLP with ZeRO on N ranks: in-process threads by default, or the
+// processes of an MPI job when started by mpiexec/mpirun.
 //
 // The "framework" (examples/common/mlp.hpp) owns the model math; shardkit owns the parameter,
 // gradient and optimizer buffers, the collectives and the optimizer step. The example prints
@@ -10,9 +11,17 @@
 //   shardkit_example_01_mlp_zero --stage 3 --prefetch 1      (one ZeRO-3 unit per layer)
 //   shardkit_example_01_mlp_zero --json          (one JSON object instead of the tables)
 //   shardkit_example_01_mlp_zero --check         (exit 1 unless loss falls and bytes match)
+//   mpiexec -np 4 shardkit_example_01_mlp_zero   (one rank per MPI process; rank 0 prints)
+//
+// The same binary does both: it initialises MPI only when an MPI launcher started it
+// (shardkit::launched_by_mpi()), and it is built without MPI where shardkit::mpi is missing.
 #include <shardkit/shardkit.hpp>
 
 #include "../common/format.hpp"
+#if defined(SHARDKIT_EXAMPLE_MPI)
+#include <shardkit/comm/mpi.hpp>
+#endif
+
 #include "../common/mlp.hpp"
 
 #include <cinttypes>
@@ -31,6 +40,7 @@ namespace {
 struct config {
   int stage = 2;
   int ranks = 4;
+  bool ranks_given = false;
   int steps = 20;
   std::vector<std::size_t> layers{64, 256, 10};
   std::string dtype = "bf16";
@@ -45,13 +55,23 @@ struct config {
   bool check = false;
 };
 
+// A command line that cannot be used: main prints it (once, under MPI) and exits with 2.
+struct usage_exit {
+  std::string why;
+};
+
 [[noreturn]] void usage(const std::string& why) {
+  throw usage_exit{why};
+}
+
+void print_usage(const std::string& why) {
   std::cerr << "error: " << why << "\n"
             << "usage: shardkit_example_01_mlp_zero [--stage 0|1|2|3] [--ranks N] [--steps K]\n"
                "         [--layers a,b,c,...] [--dtype fp32|bf16] [--batch B] [--lr X]\n"
                "                  [--bucket ELEMS] [--prefetch D] [--hybrid G] [--seed S] [--json] "
-               "[--check]\n";
-  std::exit(2);
+               "[--check]\n"
+               "       mpiexec -np N shardkit_example_01_mlp_zero [same options; --ranks N or "
+               "none]\n";
 }
 
 long parse_int(const std::string& flag, const char* v, long lo, long hi) {
@@ -79,9 +99,10 @@ config parse(int argc, char** argv) {
       c.prefetch = static_cast<std::size_t>(parse_int(a, value(), 0, 64));
     else if (a == "--hybrid")
       c.hybrid = static_cast<std::size_t>(parse_int(a, value(), 0, 64));
-    else if (a == "--ranks")
+    else if (a == "--ranks") {
       c.ranks = static_cast<int>(parse_int(a, value(), 1, 64));
-    else if (a == "--steps")
+      c.ranks_given = true;
+    } else if (a == "--steps")
       c.steps = static_cast<int>(parse_int(a, value(), 1, 100000));
     else if (a == "--batch")
       c.batch = static_cast<std::size_t>(parse_int(a, value(), 1, 1 << 20));
@@ -134,104 +155,122 @@ struct run_result {
   std::uint64_t gathered_bound = 0;
 };
 
-template <class Policies, class W>
-run_result train(const config& c, int ranks, std::size_t batch) {
-  using engine_t = shardkit::engine<shardkit::thread_comm, Policies, W, shardkit::adamw>;
+// One rank's training, written once for any communicator.
+template <class Policies, class W, class Comm>
+run_result train_rank(const config& c, Comm& comm, std::size_t batch) {
+  using engine_t = shardkit::engine<Comm, Policies, W, shardkit::adamw>;
   const mlp::shape shape{c.layers};
   const mlp::dataset data{shape, c.seed};
-  auto per_rank = shardkit::run_ranks(ranks, [&](shardkit::thread_comm& comm) {
-    auto init = mlp::init_params(shape, c.seed);
-    shardkit::model_spec model;
-    for (std::size_t l = 0; l < shape.layers(); ++l) {
-      model.begin_unit("layer" + std::to_string(l));
-      model.add("layer" + std::to_string(l) + ".weight", init[2 * l]);
-      model.add("layer" + std::to_string(l) + ".bias", init[2 * l + 1]);
-    }
-    shardkit::engine_options eo;
-    eo.bucket_elems = c.bucket;
-    eo.prefetch = c.prefetch;
-    eo.shard_group_size = c.hybrid;
-    engine_t eng(comm, model, {.lr = c.lr, .weight_decay = c.weight_decay}, eo);
+  const int ranks = comm.size();
+  auto init = mlp::init_params(shape, c.seed);
+  shardkit::model_spec model;
+  for (std::size_t l = 0; l < shape.layers(); ++l) {
+    model.begin_unit("layer" + std::to_string(l));
+    model.add("layer" + std::to_string(l) + ".weight", init[2 * l]);
+    model.add("layer" + std::to_string(l) + ".bias", init[2 * l + 1]);
+  }
+  shardkit::engine_options eo;
+  eo.bucket_elems = c.bucket;
+  eo.prefetch = c.prefetch;
+  eo.shard_group_size = c.hybrid;
+  engine_t eng(comm, model, {.lr = c.lr, .weight_decay = c.weight_decay}, eo);
 
-    run_result r;
-    mlp::batch b;
-    std::vector<float> gW, gb;
-    for (int step = 0; step < c.steps; ++step) {
-      const std::uint64_t first = static_cast<std::uint64_t>(step) * batch * ranks +
-                                  static_cast<std::uint64_t>(comm.rank()) * batch;
-      mlp::load(shape, data, first, batch, b);
-      // Forward, layer by layer. The unit hooks gather a layer's parameters under ZeRO-3 (and
-      // prefetch the next layer's); in stages 0-2 they do nothing.
-      for (std::size_t l = 0; l < shape.layers(); ++l) {
-        eng.pre_forward(l);
-        mlp::forward_layer<W>(shape, l, eng.param(2 * l), eng.param(2 * l + 1), b);
-        eng.post_forward(l);
-      }
-      double loss = mlp::loss_and_delta(shape, data, b);
-      // Backward, last layer first; each gradient goes to shardkit as soon as it exists.
-      for (std::size_t l = shape.layers(); l-- > 0;) {
-        eng.pre_backward(l);
-        mlp::backward_layer<W>(shape, l, eng.param(2 * l), b, gW, gb);
-        eng.grad_ready(2 * l + 1, gb);
-        eng.grad_ready(2 * l, gW);
-        eng.post_backward(l);
-      }
-      const auto rep = eng.step();
-      comm.all_reduce(&loss, &loss, 1, shardkit::reduce_op::sum);
-      r.losses.push_back(loss / static_cast<double>(batch * static_cast<std::size_t>(ranks)));
-      r.sent_per_step = rep.bytes_sent;
-    }
+  run_result r;
+  mlp::batch b;
+  std::vector<float> gW, gb;
+  for (int step = 0; step < c.steps; ++step) {
+    const std::uint64_t first = static_cast<std::uint64_t>(step) * batch * ranks +
+                                static_cast<std::uint64_t>(comm.rank()) * batch;
+    mlp::load(shape, data, first, batch, b);
+    // Forward, layer by layer. The unit hooks gather a layer's parameters under ZeRO-3 (and
+    // prefetch the next layer's); in stages 0-2 they do nothing.
     for (std::size_t l = 0; l < shape.layers(); ++l) {
       eng.pre_forward(l);
-      for (std::size_t i = 2 * l; i < 2 * l + 2; ++i) {
-        for (auto v : eng.param(i)) r.params.push_back(static_cast<float>(v));
-      }
+      mlp::forward_layer<W>(shape, l, eng.param(2 * l), eng.param(2 * l + 1), b);
       eng.post_forward(l);
     }
-    r.measured = eng.measured_state_bytes();
-    r.formula = eng.expected_state_bytes();
-    r.grad_bucket_peak = eng.memory().peak(shardkit::memory_category::grad_buckets);
-    r.sent_formula = eng.expected_step_bytes_sent();
-    r.shard_elems = eng.layout().shard_numel();
-    r.padded_elems = eng.layout().padded_numel();
-    r.gathered_peak = eng.memory().peak(shardkit::memory_category::gathered_params);
-    r.gathered_bound = eng.gathered_bytes_bound();
-    return r;
-  });
-  return per_rank.front();
+    double loss = mlp::loss_and_delta(shape, data, b);
+    // Backward, last layer first; each gradient goes to shardkit as soon as it exists.
+    for (std::size_t l = shape.layers(); l-- > 0;) {
+      eng.pre_backward(l);
+      mlp::backward_layer<W>(shape, l, eng.param(2 * l), b, gW, gb);
+      eng.grad_ready(2 * l + 1, gb);
+      eng.grad_ready(2 * l, gW);
+      eng.post_backward(l);
+    }
+    const auto rep = eng.step();
+    comm.all_reduce(&loss, &loss, 1, shardkit::reduce_op::sum);
+    r.losses.push_back(loss / static_cast<double>(batch * static_cast<std::size_t>(ranks)));
+    r.sent_per_step = rep.bytes_sent;
+  }
+  for (std::size_t l = 0; l < shape.layers(); ++l) {
+    eng.pre_forward(l);
+    for (std::size_t i = 2 * l; i < 2 * l + 2; ++i) {
+      for (auto v : eng.param(i)) r.params.push_back(static_cast<float>(v));
+    }
+    eng.post_forward(l);
+  }
+  r.measured = eng.measured_state_bytes();
+  r.formula = eng.expected_state_bytes();
+  r.grad_bucket_peak = eng.memory().peak(shardkit::memory_category::grad_buckets);
+  r.sent_formula = eng.expected_step_bytes_sent();
+  r.shard_elems = eng.layout().shard_numel();
+  r.padded_elems = eng.layout().padded_numel();
+  r.gathered_peak = eng.memory().peak(shardkit::memory_category::gathered_params);
+  r.gathered_bound = eng.gathered_bytes_bound();
+  return r;
 }
 
-template <class W>
-run_result train_stage(const config& c, int stage, int ranks, std::size_t batch) {
+// Ranks as threads of this process; returns rank 0's result.
+struct thread_launch {
+  int ranks;
+  template <class Policies, class W>
+  run_result run(const config& c, std::size_t batch) const {
+    return shardkit::run_ranks(
+               ranks,
+               [&](shardkit::thread_comm& comm) { return train_rank<Policies, W>(c, comm, batch); })
+        .front();
+  }
+};
+
+#if defined(SHARDKIT_EXAMPLE_MPI)
+// This process is one rank of an MPI job; returns this rank's result.
+struct mpi_launch {
+  shardkit::mpi_comm& comm;
+  template <class Policies, class W>
+  run_result run(const config& c, std::size_t batch) const {
+    return train_rank<Policies, W>(c, comm, batch);
+  }
+};
+#endif
+
+template <class W, class Launch>
+run_result train_stage(const config& c, int stage, std::size_t batch, const Launch& launch) {
   switch (stage) {
     case 0:
-      return train<shardkit::zero0, W>(c, ranks, batch);
+      return launch.template run<shardkit::zero0, W>(c, batch);
     case 1:
-      return train<shardkit::zero1, W>(c, ranks, batch);
+      return launch.template run<shardkit::zero1, W>(c, batch);
     case 2:
-      return train<shardkit::zero2, W>(c, ranks, batch);
+      return launch.template run<shardkit::zero2, W>(c, batch);
     default:
-      return train<shardkit::zero3, W>(c, ranks, batch);
+      return launch.template run<shardkit::zero3, W>(c, batch);
   }
 }
 
-run_result train_any(const config& c, int stage, int ranks, std::size_t batch) {
-  return c.dtype == "fp32" ? train_stage<float>(c, stage, ranks, batch)
-                           : train_stage<shardkit::bf16>(c, stage, ranks, batch);
+template <class Launch>
+run_result train_any(const config& c, int stage, std::size_t batch, const Launch& launch) {
+  return c.dtype == "fp32" ? train_stage<float>(c, stage, batch, launch)
+                           : train_stage<shardkit::bf16>(c, stage, batch, launch);
 }
 
 using examples::with_commas;
 
-}  // namespace
-
-int main(int argc, char** argv) try {
-  const config c = parse(argc, argv);
+// Prints the run (tables or JSON) and returns the exit status. `ref` is the single-rank,
+// unsharded run of the same global batch; `where` says what the ranks were.
+int report(const config& c, const run_result& r, const run_result& ref, const char* comm_name,
+           const char* where) {
   const mlp::shape shape{c.layers};
-  const run_result r = train_any(c, c.stage, c.ranks, c.batch);
-  // The same global batch on one rank without sharding: the reference.
-  config single = c;
-  single.hybrid = 0;
-  const run_result ref = train_any(single, 0, 1, c.batch * static_cast<std::size_t>(c.ranks));
   double max_diff = 0.0;
   for (std::size_t i = 0; i < r.params.size(); ++i) {
     max_diff = std::max(max_diff, std::fabs(static_cast<double>(r.params[i]) - ref.params[i]));
@@ -250,9 +289,10 @@ int main(int argc, char** argv) try {
                            r.gathered_peak <= r.gathered_bound;
 
   if (c.json) {
-    std::printf("{\"stage\": %d, \"ranks\": %d, \"dtype\": \"%s\", \"params\": %" PRIu64
-                ", \"shard_elems\": %zu, \"padded_elems\": %zu,\n",
-                c.stage, N, c.dtype.c_str(), psi, r.shard_elems, r.padded_elems);
+    std::printf(
+        "{\"stage\": %d, \"ranks\": %d, \"comm\": \"%s\", \"dtype\": \"%s\", "
+        "\"params\": %" PRIu64 ", \"shard_elems\": %zu, \"padded_elems\": %zu,\n",
+        c.stage, N, comm_name, c.dtype.c_str(), psi, r.shard_elems, r.padded_elems);
     auto obj = [](const shardkit::plan::state_bytes& b) {
       std::printf("{\"working_params\": %" PRIu64 ", \"grads\": %" PRIu64
                   ", \"master_params\": %" PRIu64 ", \"optimizer_moments\": %" PRIu64
@@ -280,9 +320,9 @@ int main(int argc, char** argv) try {
     for (std::size_t i = 0; i < c.layers.size(); ++i)
       std::printf("%s%zu", i ? "-" : "", c.layers[i]);
     std::printf(
-        " (%s parameters), ZeRO stage %d on %d in-process ranks, %s working params%s, "
+        " (%s parameters), ZeRO stage %d on %d %s, %s working params%s, "
         "AdamW lr %g\n\n",
-        with_commas(psi).c_str(), c.stage, N, c.dtype.c_str(),
+        with_commas(psi).c_str(), c.stage, N, where, c.dtype.c_str(),
         c.dtype == "bf16" ? " + fp32 master" : "", static_cast<double>(c.lr));
     if (c.hybrid != 0 && c.hybrid != static_cast<std::size_t>(N)) {
       std::printf(
@@ -328,7 +368,71 @@ int main(int argc, char** argv) try {
     return 1;
   }
   return 0;
+}
+
+// The same global batch on one in-process rank without sharding: the reference.
+run_result reference(const config& c) {
+  config single = c;
+  single.hybrid = 0;
+  return train_any(single, 0, c.batch * static_cast<std::size_t>(c.ranks), thread_launch{1});
+}
+
+// Ranks as threads of this process (the default).
+int main_threads(int argc, char** argv) try {
+  config c;
+  try {
+    c = parse(argc, argv);
+  } catch (const usage_exit& u) {
+    print_usage(u.why);
+    return 2;
+  }
+  const run_result r = train_any(c, c.stage, c.batch, thread_launch{c.ranks});
+  const run_result ref = reference(c);
+  return report(c, r, ref, "thread", "in-process ranks");
 } catch (const std::exception& e) {
   std::fprintf(stderr, "error: %s\n", e.what());
   return 1;
+}
+
+#if defined(SHARDKIT_EXAMPLE_MPI)
+// One rank per MPI process. Every rank trains its part; rank 0 also runs the unsharded
+// single-rank reference in-process and prints. A rank that fails ends the job (mpi_main).
+int main_mpi(int& argc, char**& argv) {
+  return shardkit::mpi_main(argc, argv, [&](shardkit::mpi_comm& comm) -> int {
+    const bool printer = comm.rank() == 0;
+    config c;
+    try {
+      c = parse(argc, argv);
+      if (c.ranks_given && c.ranks != comm.size()) {
+        usage("--ranks " + std::to_string(c.ranks) + " does not match the " +
+              std::to_string(comm.size()) +
+              " processes of this MPI job; under mpiexec the ranks "
+              "are the processes: omit --ranks or pass --ranks " +
+              std::to_string(comm.size()));
+      }
+    } catch (const usage_exit& u) {  // every rank parses the same arguments: all exit with 2
+      if (printer) print_usage(u.why);
+      return 2;
+    }
+    c.ranks = comm.size();
+    const run_result r = train_any(c, c.stage, c.batch, mpi_launch{comm});
+    int status = 0;
+    if (printer) {
+      const run_result ref = reference(c);
+      status = report(c, r, ref, "mpi", "MPI processes");
+      std::fflush(stdout);
+    }
+    comm.broadcast(&status, 1, 0);  // the job's exit status is rank 0's
+    return status;
+  });
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+#if defined(SHARDKIT_EXAMPLE_MPI)
+  if (shardkit::launched_by_mpi()) return main_mpi(argc, argv);
+#endif
+  return main_threads(argc, argv);
 }

@@ -1,5 +1,6 @@
 // The thread communicator's failure handling: mismatched collectives, timeouts, ranks that
-// throw, abort; and split() into sub-groups.
+// throw, abort; and split() into sub-groups of three. (Collective semantics, split and argument
+// checks shared by every communicator are in test_collectives.cpp.)
 #include <shardkit/comm/thread.hpp>
 
 #include "support/world.hpp"

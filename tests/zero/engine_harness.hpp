@@ -15,6 +15,7 @@
 #include <functional>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace test {
@@ -40,6 +41,11 @@ struct outcome {
   std::uint64_t master_hash = 0;
   double max_err = 0;
 };
+
+//! The members of an outcome, for worlds that move results between processes (support/serial.hpp).
+inline auto fields(outcome& o) {
+  return std::tie(o.failure, o.working_hash, o.master_hash, o.max_err);
+}
 
 inline std::uint64_t mix_hash(std::uint64_t h, std::uint64_t v) {
   return ref::hash(h ^ v) + v;

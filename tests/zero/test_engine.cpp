@@ -1,5 +1,7 @@
-// ZeRO stages 0, 1 and 2 against the independent unsharded reference, bit-identity between
-// stages, the ledger against FACTS.md's formulas, and micro-batch accumulation.
+// ZeRO stages 0-3 against the independent unsharded reference, bit-identity between stages,
+// hybrid sharding, the ledger against FACTS.md's formulas, and micro-batch accumulation. Written
+// once over a World: test_engine runs them on the thread communicator, test_engine_mpi on mpi_comm
+// under mpiexec (cases with more ranks than the MPI job are skipped with a warning).
 #include "zero/engine_harness.hpp"
 
 #include <catch2/catch.hpp>
@@ -63,10 +65,11 @@ void stages_agree(int n, const test::model_case& mc) {
 }  // namespace
 
 TEMPLATE_TEST_CASE("stages 0-3 match the unsharded reference and each other bit for bit",
-                   "[engine]", test::thread_world) {
+                   "[engine]", SHARDKIT_TEST_WORLDS) {
   using World = TestType;
   const int n = GENERATE(1, 2, 3, 4, 7, 8);
   const auto mc = test::model_cases()[GENERATE(0u, 1u, 2u, 3u)];
+  if (!test::fits<World>(n)) return;
   CAPTURE(World::name, n, mc.name);
   SECTION("bf16 working parameters, AdamW") {
     stages_agree<World, bf16, adamw>(n, mc);
@@ -83,9 +86,10 @@ TEMPLATE_TEST_CASE("stages 0-3 match the unsharded reference and each other bit 
 }
 
 TEMPLATE_TEST_CASE("FACTS.md worked numbers: MLP 64-256-10 on 4 ranks", "[engine][facts]",
-                   test::thread_world) {
+                   SHARDKIT_TEST_WORLDS) {
   using World = TestType;
   using Comm = typename World::comm_type;
+  if (!test::fits<World>(4)) return;
   const std::vector<std::size_t> sizes{64 * 256, 256, 256 * 10, 10};
   auto bytes = [&]<class P>(P) {
     return World::run(4, [&](Comm& c) {
@@ -110,13 +114,14 @@ TEMPLATE_TEST_CASE("FACTS.md worked numbers: MLP 64-256-10 on 4 ranks", "[engine
 }
 
 TEMPLATE_TEST_CASE("micro-batches accumulate into one step", "[engine][accumulation]",
-                   test::thread_world) {
+                   SHARDKIT_TEST_WORLDS) {
   using World = TestType;
   test::run_config cfg;
   cfg.micro_batches = 3;
   for (const auto& mc : test::model_cases()) {
     for (int n : {1, 3, 4}) {
-      CAPTURE(mc.name, n);
+      if (!test::fits<World>(n)) continue;
+      CAPTURE(World::name, mc.name, n);
       // fp32 with dyadic gradients: every sum is exact, so all stages agree bit for bit.
       const auto a = test::train<World, zero0, float, adamw>(n, mc, cfg);
       const auto b = test::train<World, zero1, float, adamw>(n, mc, cfg);
@@ -137,20 +142,22 @@ TEMPLATE_TEST_CASE("micro-batches accumulate into one step", "[engine][accumulat
   }
 }
 
-TEMPLATE_TEST_CASE("summed instead of averaged gradients", "[engine]", test::thread_world) {
+TEMPLATE_TEST_CASE("summed instead of averaged gradients", "[engine]", SHARDKIT_TEST_WORLDS) {
   using World = TestType;
   test::run_config cfg;
   cfg.options.average_grads = false;
+  if (!test::fits<World>(3)) return;
   const auto mc = test::model_cases()[0];
   test::require_ok(test::train<World, zero1, bf16, adamw>(3, mc, cfg));
   test::require_ok(test::train<World, zero2, float, adam>(3, mc, cfg));
 }
 
 TEMPLATE_TEST_CASE("hybrid sharding: shard within groups of G ranks, replicate across N/G",
-                   "[engine][hybrid]", test::thread_world) {
+                   "[engine][hybrid]", SHARDKIT_TEST_WORLDS) {
   using World = TestType;
   const auto [n, g] = GENERATE(std::pair{4, 2}, std::pair{6, 3}, std::pair{8, 2}, std::pair{8, 4});
   const auto mc = test::model_cases()[GENERATE(0u, 1u, 3u)];
+  if (!test::fits<World>(n)) return;
   CAPTURE(n, g, mc.name);
   test::run_config cfg;
   cfg.options.shard_group_size = static_cast<std::size_t>(g);

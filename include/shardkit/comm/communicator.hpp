@@ -10,6 +10,8 @@
 //!    out[q·count]. In place when in == out + rank()·count.
 //!  - broadcast(buf, n, root): every rank gets root's n elements.
 //!  - barrier(): returns once every rank has entered it.
+//!  - split(color, key): collective; ranks with the same color (>= 0) form a new communicator,
+//!    ranked by (key, rank in the parent), like MPI_Comm_split.
 //! Counts are elements, not bytes. Reductions of 16-bit floats accumulate in fp32 and round
 //! once. shardkit's communicators reduce in a fixed order (rank 0, 1, ..., N-1) so results are
 //! bit-identical whatever the timing. Each *_async form returns a work handle; the buffers must
@@ -19,6 +21,7 @@
 
 #include <shardkit/config.hpp>
 #include <shardkit/core/dtype.hpp>
+#include <shardkit/core/error.hpp>
 #include <shardkit/core/ledger.hpp>
 #include <shardkit/core/memory.hpp>
 
@@ -26,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <ostream>
+#include <string>
 
 SHARDKIT_NAMESPACE_BEGIN
 
@@ -78,10 +82,57 @@ concept communicator = requires(C& c, const C& cc, float* f, const float* cf, bf
   c.all_gather(ch, h, n);
   c.broadcast(f, n, root);
   c.barrier();
+  { c.split(root, root) } -> std::same_as<C>;
   { c.all_reduce_async(cf, f, n, op) } -> std::same_as<typename C::work_type>;
   { c.reduce_scatter_async(ch, h, n, op) } -> std::same_as<typename C::work_type>;
   { c.all_gather_async(ch, h, n) } -> std::same_as<typename C::work_type>;
   { cc.traffic() } -> std::same_as<const traffic_ledger&>;
 };
+
+namespace detail {
+
+//! What one rank asked for at one position of its collective sequence; communicators compare
+//! these across ranks to detect mismatched calls and use them in error messages.
+struct collective_desc {
+  collective kind = collective::barrier;
+  dtype type = dtype::u8;
+  std::size_t count = 0;
+  int root = 0;
+  reduce_op op = reduce_op::sum;
+  int color = 0;  // split
+  int key = 0;    // split
+
+  bool matches(const collective_desc& o) const noexcept {
+    if (kind != o.kind) return false;
+    switch (kind) {
+      case collective::barrier:
+        return true;
+      case collective::broadcast:
+        return type == o.type && count == o.count && root == o.root;
+      case collective::all_gather:
+      case collective::all_to_all:
+        return type == o.type && count == o.count;
+      case collective::all_reduce:
+      case collective::reduce_scatter:
+        return type == o.type && count == o.count && op == o.op;
+    }
+    return false;
+  }
+};
+
+//! "all_reduce(fp32, count 8, sum)", "broadcast(bf16, count 4, root 1)", "barrier", "split".
+inline std::string describe(const collective_desc& d, bool is_split = false) {
+  if (is_split) return "split";
+  std::string s = name(d.kind);
+  if (d.kind == collective::barrier) return s;
+  s += concat("(", name(d.type), ", count ", d.count);
+  if (d.kind == collective::all_reduce || d.kind == collective::reduce_scatter) {
+    s += concat(", ", name(d.op));
+  }
+  if (d.kind == collective::broadcast) s += concat(", root ", d.root);
+  return s + ")";
+}
+
+}  // namespace detail
 
 SHARDKIT_NAMESPACE_END

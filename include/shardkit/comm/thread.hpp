@@ -84,46 +84,6 @@ class group_error : public error {
 
 namespace detail {
 
-//! What one rank asked for at one position of its collective sequence.
-struct collective_desc {
-  collective kind = collective::barrier;
-  dtype type = dtype::u8;
-  std::size_t count = 0;
-  int root = 0;
-  reduce_op op = reduce_op::sum;
-  int color = 0;  // split
-  int key = 0;    // split
-
-  bool matches(const collective_desc& o) const noexcept {
-    if (kind != o.kind) return false;
-    switch (kind) {
-      case collective::barrier:
-        return true;
-      case collective::broadcast:
-        return type == o.type && count == o.count && root == o.root;
-      case collective::all_gather:
-      case collective::all_to_all:
-        return type == o.type && count == o.count;
-      case collective::all_reduce:
-      case collective::reduce_scatter:
-        return type == o.type && count == o.count && op == o.op;
-    }
-    return false;
-  }
-};
-
-inline std::string describe(const collective_desc& d, bool is_split = false) {
-  if (is_split) return "split";
-  std::string s = name(d.kind);
-  if (d.kind == collective::barrier) return s;
-  s += concat("(", name(d.type), ", count ", d.count);
-  if (d.kind == collective::all_reduce || d.kind == collective::reduce_scatter) {
-    s += concat(", ", name(d.op));
-  }
-  if (d.kind == collective::broadcast) s += concat(", root ", d.root);
-  return s + ")";
-}
-
 struct thread_slot {
   collective_desc desc;
   bool is_split = false;
@@ -286,32 +246,7 @@ struct thread_transport<host_space> {
   }
   static void reduce(dtype t, const void* const* in, std::size_t k, void* out, std::size_t n,
                      reduce_op op) {
-    switch (t) {
-      case dtype::f32:
-        return run<float>(in, k, out, n, op);
-      case dtype::f64:
-        return run<double>(in, k, out, n, op);
-      case dtype::bf16:
-        return run<bf16>(in, k, out, n, op);
-      case dtype::f16:
-        return run<fp16>(in, k, out, n, op);
-      case dtype::i32:
-        return run<std::int32_t>(in, k, out, n, op);
-      case dtype::i64:
-        return run<std::int64_t>(in, k, out, n, op);
-      case dtype::u8:
-        return run<std::uint8_t>(in, k, out, n, op);
-      case dtype::u32:
-        return run<std::uint32_t>(in, k, out, n, op);
-      case dtype::u64:
-        return run<std::uint64_t>(in, k, out, n, op);
-    }
-  }
-
- private:
-  template <class T>
-  static void run(const void* const* in, std::size_t k, void* out, std::size_t n, reduce_op op) {
-    host::reduce_ordered(reinterpret_cast<const T* const*>(in), k, static_cast<T*>(out), n, op);
+    host::reduce_ordered(t, in, k, out, n, op);
   }
 };
 
@@ -599,7 +534,11 @@ class thread_communicator {
       if (!mismatch.empty()) throw collective_mismatch(mismatch);
     };
     phase(&s, "arrival");
-    if (s.is_split || d.kind == collective::barrier) return;
+    if (s.is_split) return;
+    if (d.kind == collective::barrier) {
+      m.traffic.record(collective::barrier, 0);
+      return;
+    }
 
     const std::size_t esize = size_of(d.type);
     auto in_of = [&](int q) { return static_cast<const std::byte*>(g.slot(q).in); };

@@ -3,7 +3,8 @@
 //!     out[i] = in[0][i] ∘ in[1][i] ∘ ... ∘ in[k-1][i]
 //! always in this order, so the result is the same bit pattern whatever the thread timing or the
 //! transport. fp32, bf16 and fp16 accumulate in fp32 and round once; double in double; integers
-//! in their own type. `out` may be one of the inputs (in-place reductions).
+//! in their own type (sums of signed integers wrap in two's complement, as unsigned ones do).
+//! `out` may be one of the inputs (in-place reductions).
 #pragma once
 
 #include <shardkit/comm/communicator.hpp>
@@ -12,12 +13,25 @@
 #include <shardkit/kernels/host/simd.hpp>
 
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 
 SHARDKIT_NAMESPACE_BEGIN
 namespace host {
 
 namespace detail {
+//! a + b; for signed integers in two's complement, wrapping on overflow like unsigned and like
+//! NCCL's integer sums (a plain signed + would be undefined behaviour).
+template <class T>
+constexpr T add_wrapping(T a, T b) noexcept {
+  if constexpr (std::is_integral_v<T> && std::is_signed_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    return static_cast<T>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+  } else {
+    return static_cast<T>(a + b);
+  }
+}
+
 template <class T, reduce_op Op>
 struct reduce_kernel {
   SHARDKIT_FORCEINLINE static simd::vfloat combine(simd::vfloat acc, simd::vfloat x) {
@@ -80,7 +94,7 @@ void reduce_ordered(const T* const* in, std::size_t k, T* out, std::size_t n, re
         switch (op) {
           case reduce_op::sum:
           case reduce_op::avg:
-            acc = static_cast<T>(acc + x);
+            acc = detail::add_wrapping(acc, x);
             break;
           case reduce_op::max:
             acc = (x > acc || x != x) ? x : acc;
@@ -93,6 +107,36 @@ void reduce_ordered(const T* const* in, std::size_t k, T* out, std::size_t n, re
       if (op == reduce_op::avg) acc = static_cast<T>(acc / static_cast<T>(k));
       out[i] = acc;
     }
+  }
+}
+
+//! reduce_ordered for an element type known at run time: `in` holds k pointers to arrays of n
+//! elements of type `t`. Every communicator reduces through this one function, so they agree
+//! bit for bit.
+inline void reduce_ordered(dtype t, const void* const* in, std::size_t k, void* out, std::size_t n,
+                           reduce_op op) {
+  auto run = [&]<class T>(T*) {
+    reduce_ordered(reinterpret_cast<const T* const*>(in), k, static_cast<T*>(out), n, op);
+  };
+  switch (t) {
+    case dtype::f32:
+      return run(static_cast<float*>(nullptr));
+    case dtype::f64:
+      return run(static_cast<double*>(nullptr));
+    case dtype::bf16:
+      return run(static_cast<bf16*>(nullptr));
+    case dtype::f16:
+      return run(static_cast<fp16*>(nullptr));
+    case dtype::i32:
+      return run(static_cast<std::int32_t*>(nullptr));
+    case dtype::i64:
+      return run(static_cast<std::int64_t*>(nullptr));
+    case dtype::u8:
+      return run(static_cast<std::uint8_t*>(nullptr));
+    case dtype::u32:
+      return run(static_cast<std::uint32_t*>(nullptr));
+    case dtype::u64:
+      return run(static_cast<std::uint64_t*>(nullptr));
   }
 }
 

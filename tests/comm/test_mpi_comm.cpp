@@ -1,0 +1,329 @@
+// mpi_comm beyond the shared collective tests: bit-identity with the thread communicator run
+// inside each MPI process (special values included), collectives split into several MPI calls,
+// the matching check, timeouts, progress modes, borrowed communicators, MPI error messages.
+// Runs under mpiexec (test_comm_mpi).
+#include <shardkit/comm/mpi.hpp>
+#include <shardkit/comm/thread.hpp>
+
+#include "comm/collective_checks.hpp"
+#include "support/world.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+using namespace shardkit;
+using namespace std::chrono_literals;
+using test::mpi_world;
+
+namespace {
+
+// Element i of rank r: every other element is a raw bit pattern (NaNs with payloads,
+// infinities, subnormals, -0, huge values), the rest ordinary values.
+template <class T>
+T special_input(int r, std::size_t i, std::uint64_t salt) {
+  std::uint64_t z = (static_cast<std::uint64_t>(r + 1) * 0x9e3779b97f4a7c15ull) ^
+                    (i * 0xbf58476d1ce4e5b9ull) ^ (salt << 17);
+  z ^= z >> 31;
+  z *= 0x94d049bb133111ebull;
+  z ^= z >> 29;
+  if (i % 2 == 0) return test::coll::input<T>(r, i, salt);
+  T v;
+  if constexpr (std::is_same_v<T, bf16> || std::is_same_v<T, fp16>) {
+    v = T::from_bits(static_cast<std::uint16_t>(z));
+  } else {
+    std::memcpy(&v, &z, sizeof(T));
+  }
+  return v;
+}
+
+// Runs every collective (sync and async) on `c` with special inputs and returns the outputs,
+// concatenated in a fixed order, as raw bits.
+template <class T, class Comm>
+std::vector<std::uint64_t> run_sequence(Comm& c) {
+  const int N = c.size(), r = c.rank();
+  std::vector<std::uint64_t> bits;
+  auto keep = [&](const std::vector<T>& v) {
+    for (const T& x : v) bits.push_back(test::coll::bits_of(x));
+  };
+  for (std::size_t n : {1u, 3u, 64u, 1001u}) {
+    for (reduce_op op : {reduce_op::sum, reduce_op::avg, reduce_op::max, reduce_op::min}) {
+      const std::uint64_t salt = n * 7 + static_cast<std::uint64_t>(op);
+      std::vector<T> in(n * N), out(n * N);
+      for (std::size_t i = 0; i < in.size(); ++i) in[i] = special_input<T>(r, i, salt);
+      c.all_reduce(in.data(), out.data(), n * N - 1, op);  // uneven chunks
+      keep(out);
+      c.all_reduce_async(in.data(), out.data(), n, op).wait();
+      keep(out);
+      c.reduce_scatter(in.data(), out.data(), n, op);
+      keep(out);
+      std::vector<T> inplace = in;
+      c.reduce_scatter_async(inplace.data(), inplace.data() + r * n, n, op).wait();
+      keep(inplace);
+    }
+    std::vector<T> mine(n), all(n * N), a2a_in(n * N);
+    for (std::size_t i = 0; i < n; ++i) mine[i] = special_input<T>(r, i, 99);
+    for (std::size_t i = 0; i < n * N; ++i) a2a_in[i] = special_input<T>(r, i, 98);
+    c.all_gather(mine.data(), all.data(), n);
+    keep(all);
+    c.all_to_all(a2a_in.data(), all.data(), n);
+    keep(all);
+    c.broadcast(mine.data(), n, N - 1);
+    keep(mine);
+  }
+  return bits;
+}
+
+template <class T>
+std::string compare_with_thread_comm(mpi_comm& c) {
+  const auto mine = run_sequence<T>(c);
+  // The same sequence on an in-process thread group of the same size, inside this process.
+  const auto oracle = run_ranks(c.size(), [](thread_comm& t) { return run_sequence<T>(t); });
+  const auto& want = oracle[static_cast<std::size_t>(c.rank())];
+  if (mine.size() != want.size()) return "different output sizes";
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    if (mine[i] != want[i]) {
+      return std::string(name(dtype_of<T>)) + ": output " + std::to_string(i) + " has bits " +
+             std::to_string(mine[i]) + ", thread_comm gives " + std::to_string(want[i]);
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("mpi_comm gives thread_comm's results bit for bit, NaN, inf and subnormals included",
+          "[mpi]") {
+  for (int n : {1, 2, 3, 4}) {
+    if (!test::fits<mpi_world>(n)) continue;
+    CAPTURE(n);
+    test::require_all_ok(mpi_world::run(n, [](mpi_comm& c) -> std::string {
+      std::string first;
+      for (auto e :
+           {compare_with_thread_comm<float>(c), compare_with_thread_comm<bf16>(c),
+            compare_with_thread_comm<fp16>(c), compare_with_thread_comm<double>(c),
+            compare_with_thread_comm<std::int32_t>(c), compare_with_thread_comm<std::uint8_t>(c),
+            compare_with_thread_comm<std::uint64_t>(c)}) {
+        if (first.empty()) first = e;
+      }
+      return first;
+    }));
+  }
+}
+
+TEST_CASE("collectives larger than max_call_elems are carried by several MPI calls, unchanged",
+          "[mpi]") {
+  for (int n : {3, 4}) {
+    if (!test::fits<mpi_world>(n)) continue;
+    CAPTURE(n);
+    test::require_all_ok(mpi_world::run(n, [](mpi_comm& c) -> std::string {
+      auto opts = c.options();
+      opts.max_call_elems = 7;  // 1000 elements: 143 pieces, the last one shorter
+      auto small = mpi_comm::duplicate(c.native(), opts);
+      std::string first;
+      for (auto e : {test::coll::check_everything<mpi_comm, float>(small, {5, 7, 8, 1000}),
+                     test::coll::check_everything<mpi_comm, bf16>(small, {13, 1000}),
+                     test::coll::check_everything<mpi_comm, double>(small, {29}),
+                     test::coll::check_everything<mpi_comm, std::uint8_t>(small, {15})}) {
+        if (first.empty()) first = e;
+      }
+      return first;
+    }));
+  }
+}
+
+TEST_CASE("the progress thread completes collectives while the rank makes no MPI call",
+          "[mpi][async]") {
+  if (!test::fits<mpi_world>(4)) return;
+  auto r = mpi_world::run(4, [](mpi_comm& c) {
+    auto opts = c.options();
+    opts.progress = mpi_progress::thread;
+    auto p = mpi_comm::duplicate(c.native(), opts);
+    std::vector<float> x(1000, static_cast<float>(p.rank()));
+    auto w = p.all_reduce_async(x.data(), x.data(), x.size());
+    // No call into MPI from this thread: only the progress thread can finish the collective
+    // (its completion is visible in the traffic ledger, which is recorded when it finishes).
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    bool finished_alone = false;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (p.traffic().calls(collective::all_reduce) == 1) {
+        finished_alone = true;
+        break;
+      }
+      std::this_thread::sleep_for(1ms);
+    }
+    w.wait();
+    // And the results of many queued collectives are right while the thread runs.
+    const std::string check = test::coll::check_everything<mpi_comm, bf16>(p, {1, 1000});
+    return std::tuple{finished_alone, x[999], check};
+  });
+  for (const auto& [finished_alone, value, check] : r) {
+    REQUIRE(finished_alone);
+    REQUIRE(value == 6.0f);
+    REQUIRE(check == "");
+  }
+}
+
+TEST_CASE("without a progress thread, a collective advances only inside calls on its communicator",
+          "[mpi][async]") {
+  if (!test::fits<mpi_world>(2)) return;
+  auto r = mpi_world::run(2, [](mpi_comm& c) {
+    std::vector<float> x(64, 1.0f);
+    auto w = c.all_reduce_async(x.data(), x.data(), x.size());
+    std::this_thread::sleep_for(100ms);  // plenty of time, but nobody drives it
+    const auto before_wait = c.traffic().calls(collective::all_reduce);
+    w.wait();
+    return std::tuple{before_wait, c.traffic().calls(collective::all_reduce), x[0]};
+  });
+  for (const auto& [before_wait, after_wait, value] : r) {
+    REQUIRE(before_wait == 0);
+    REQUIRE(after_wait == 1);
+    REQUIRE(value == 2.0f);
+  }
+}
+
+TEST_CASE("check_matching turns mismatched collectives into collective_mismatch on every rank",
+          "[mpi][errors]") {
+  if (!test::fits<mpi_world>(3)) return;
+  auto m = mpi_world::run(3, [](mpi_comm& c) {
+    auto opts = c.options();
+    opts.check_matching = true;
+    auto checked = mpi_comm::duplicate(c.native(), opts);
+    std::vector<std::string> msgs;
+    std::vector<bf16> x(8, bf16(1.0f));
+    try {  // different counts
+      checked.all_reduce(x.data(), x.data(), checked.rank() == 1 ? 4 : 8);
+    } catch (const collective_mismatch& e) {
+      msgs.push_back(e.what());
+    }
+    try {  // different kinds
+      if (checked.rank() == 2)
+        checked.barrier();
+      else
+        checked.all_gather(x.data(), x.data(), 0);
+    } catch (const collective_mismatch& e) {
+      msgs.push_back(e.what());
+    }
+    try {  // split against a collective
+      if (checked.rank() == 0)
+        (void)checked.split(0, 0);
+      else
+        checked.barrier();
+    } catch (const collective_mismatch& e) {
+      msgs.push_back(e.what());
+    }
+    // Nothing was started, so the communicator is still in step and usable.
+    float one = 1.0f;
+    checked.all_reduce(&one, &one, 1);
+    msgs.push_back(std::to_string(one));
+    return msgs;
+  });
+  for (const auto& msgs : m) {
+    REQUIRE(msgs.size() == 4);
+    REQUIRE_THAT(msgs[0], Catch::Contains("collective mismatch at call #1") &&
+                              Catch::Contains("rank 0 called all_reduce(bf16, count 8, sum)") &&
+                              Catch::Contains("rank 1 called all_reduce(bf16, count 4, sum)"));
+    REQUIRE_THAT(msgs[1], Catch::Contains("call #2") &&
+                              Catch::Contains("all_gather(bf16, count 0)") &&
+                              Catch::Contains("rank 2 called barrier"));
+    REQUIRE_THAT(msgs[2], Catch::Contains("rank 0 called split") &&
+                              Catch::Contains("rank 1 called barrier"));
+    REQUIRE(msgs[3] == std::to_string(3.0f));
+  }
+}
+
+TEST_CASE("a rank that arrives too late makes the others fail with comm_timeout, not hang",
+          "[mpi][errors]") {
+  if (!test::fits<mpi_world>(3)) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto m = mpi_world::run(3, [](mpi_comm& c) {
+    auto opts = c.options();
+    opts.timeout = 300ms;
+    auto t = mpi_comm::duplicate(c.native(), opts);
+    std::vector<std::string> msgs;
+    if (t.rank() == 2) {
+      std::this_thread::sleep_for(3s);  // the others have long given up
+      t.barrier();                      // completes: their abandoned barrier is still posted in MPI
+      msgs.push_back("late rank done");
+      return msgs;
+    }
+    try {
+      t.barrier();
+    } catch (const comm_timeout& e) {
+      msgs.push_back(e.what());
+    }
+    try {
+      float x = 0;
+      t.all_reduce(&x, &x, 1);
+    } catch (const comm_aborted& e) {
+      msgs.push_back(e.what());
+    }
+    return msgs;
+  });
+  REQUIRE(std::chrono::steady_clock::now() - t0 < 30s);
+  for (int q : {0, 1}) {
+    const auto& msgs = m[static_cast<std::size_t>(q)];
+    REQUIRE(msgs.size() == 2);
+    REQUIRE_THAT(msgs[0], Catch::Contains("barrier (call #1) timed out after 300 ms on rank " +
+                                          std::to_string(q) + " of 3") &&
+                              Catch::Contains("not every rank reached it"));
+    REQUIRE_THAT(msgs[1], Catch::Contains("all_reduce(fp32, count 1, sum)") &&
+                              Catch::Contains("unusable") && Catch::Contains("timed out"));
+  }
+  REQUIRE(m[2] == std::vector<std::string>{"late rank done"});
+}
+
+TEST_CASE("a borrowed MPI communicator is used as is and never freed", "[mpi]") {
+  if (!test::fits<mpi_world>(4)) return;
+  auto r = mpi_world::run(4, [](mpi_comm& c) {
+    int same = 0;
+    {
+      mpi_comm borrowed(c.native());
+      same = borrowed.native() == c.native() ? 1 : 0;
+      int v = borrowed.rank();
+      borrowed.all_reduce(&v, &v, 1);
+      same += v == 6 ? 1 : 0;
+    }
+    int one = 1;
+    MPI_Allreduce(MPI_IN_PLACE, &one, 1, MPI_INT, MPI_SUM, c.native());  // still valid
+    c.all_reduce(&one, &one, 1);
+    return same + one;
+  });
+  for (int v : r) REQUIRE(v == 2 + 16);
+}
+
+TEST_CASE("options and arguments are validated with messages that say what is expected",
+          "[mpi][errors]") {
+  mpi_comm_options bad;
+  bad.max_call_elems = 0;
+  REQUIRE_THROWS_WITH(mpi_comm::duplicate(MPI_COMM_SELF, bad),
+                      Catch::Contains("max_call_elems must be in [1, 2^30], got 0"));
+  bad = {};
+  bad.timeout = -1ms;
+  REQUIRE_THROWS_WITH(mpi_comm(MPI_COMM_SELF, bad),
+                      Catch::Contains("timeout must not be negative"));
+  auto self = mpi_comm::duplicate(MPI_COMM_SELF);
+  std::vector<float> buf(8);
+  REQUIRE_THROWS_WITH(self.all_to_all(buf.data(), buf.data() + 2, 4),
+                      Catch::Contains("all_to_all: `in` and `out` overlap"));
+  self.barrier();  // still usable
+}
+
+TEST_CASE("MPI error codes become comm_error naming the collective, the rank and MPI's text",
+          "[mpi][errors]") {
+  REQUIRE_THROWS_AS(detail::mpi_check(MPI_ERR_COUNT, "MPI_Ialltoall",
+                                      "reduce_scatter(bf16, count 4, sum) (call #3)", 2, 4),
+                    comm_error);
+  REQUIRE_THROWS_WITH(
+      detail::mpi_check(MPI_ERR_COUNT, "MPI_Ialltoall",
+                        "reduce_scatter(bf16, count 4, sum) (call #3)", 2, 4),
+      Catch::Contains("mpi_comm: reduce_scatter(bf16, count 4, sum) (call #3) failed on rank 2 "
+                      "of 4: MPI_Ialltoall returned MPI_ERR_COUNT"));
+  REQUIRE_NOTHROW(detail::mpi_check(MPI_SUCCESS, "MPI_Ibarrier", "barrier", 0, 1));
+}
