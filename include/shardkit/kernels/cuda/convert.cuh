@@ -3,7 +3,9 @@
 //! between fp32/bf16/fp16 (round to nearest even, NaN payloads kept, as core/dtype.hpp),
 //! accumulation (acc += x in fp32, rounded once), and `batched_copy`: flatten, unflatten and
 //! pad many tensors in one launch, from a device table of (source, destination, count, zero fill)
-//! entries cut into chunks, with the cast on the way.
+//! entries cut into chunks, with the cast on the way. Same-type copies move 16-byte words, also
+//! when source and destination are misaligned against each other (shifted loads, launch.hpp);
+//! converting copies between arrays that cannot be aligned together run scalar.
 //!
 //!     // flatten three tensors into a padded flat buffer, then back:
 //!     using copy = shardkit::gpu::batched_copy<bf16, bf16>;
@@ -113,6 +115,48 @@ __global__ void __launch_bounds__(copy_policy.threads, copy_policy.blocks_per_sm
       });
 }
 
+//! Copies elements [begin, end) of a same-type shifted copy (launch.hpp, plan_shifted_copy):
+//! aligned 16-byte stores to dst, each from two aligned 16-byte loads of src combined with a
+//! funnel shift; Q = shift / 4 (compile time, so the words stay in registers). Raw bits: every
+//! pattern, NaN payloads included, arrives unchanged, as in copy_range.
+template <int Q, class T>
+__device__ SHARDKIT_FORCEINLINE void copy_range_shifted_q(const T* src, T* dst,
+                                                          const vector_split& split, unsigned shift,
+                                                          std::size_t begin, std::size_t end,
+                                                          std::size_t tid, std::size_t threads) {
+  constexpr int E = static_cast<int>(16 / sizeof(T));
+  const unsigned bits = (shift % 4u) * 8u;
+  for_each_element_ilp<E, copy_policy.unroll, words4>(
+      split, begin, end, tid, threads, [&](std::size_t i) { dst[i] = src[i]; },
+      [&](std::size_t i, words4& r) {
+        const char* at = reinterpret_cast<const char*>(src + i) - shift;  // 16-byte aligned
+        const uint4 lo = load16(at);
+        const uint4 hi = load16(at + 16);
+        r = shifted_pack<Q>(words4{{lo.x, lo.y, lo.z, lo.w}}, words4{{hi.x, hi.y, hi.z, hi.w}},
+                            bits);
+      },
+      [&](std::size_t i, const words4& r) {
+        store16(dst + i, make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]));
+      });
+}
+
+template <class T>
+__device__ SHARDKIT_FORCEINLINE void copy_range_shifted(const T* src, T* dst,
+                                                        const vector_split& split, unsigned shift,
+                                                        std::size_t begin, std::size_t end,
+                                                        std::size_t tid, std::size_t threads) {
+  switch (shift / 4u) {
+    case 0:
+      return copy_range_shifted_q<0>(src, dst, split, shift, begin, end, tid, threads);
+    case 1:
+      return copy_range_shifted_q<1>(src, dst, split, shift, begin, end, tid, threads);
+    case 2:
+      return copy_range_shifted_q<2>(src, dst, split, shift, begin, end, tid, threads);
+    default:
+      return copy_range_shifted_q<3>(src, dst, split, shift, begin, end, tid, threads);
+  }
+}
+
 //! One entry of a batched copy as the kernel sees it.
 template <class S, class D>
 struct copy_entry {
@@ -120,6 +164,7 @@ struct copy_entry {
   D* dst;
   std::size_t count;  // converted elements; zeros follow up to the chunk's end
   vector_split split;
+  unsigned shift;  // same-type copies only: != 0 for a shifted copy (plan_shifted_copy)
 };
 
 template <class S, class D>
@@ -131,7 +176,16 @@ __global__ void __launch_bounds__(copy_policy.threads, copy_policy.blocks_per_sm
     const copy_entry<S, D> t = entries[ch.run];
     const std::size_t copy_end = ch.end < t.count ? ch.end : t.count;
     if (ch.begin < copy_end) {
-      copy_range(t.src, t.dst, t.split, ch.begin, copy_end, threadIdx.x, blockDim.x);
+      if constexpr (std::is_same_v<S, D>) {
+        if (t.shift != 0) {
+          copy_range_shifted(t.src, t.dst, t.split, t.shift, ch.begin, copy_end, threadIdx.x,
+                             blockDim.x);
+        } else {
+          copy_range(t.src, t.dst, t.split, ch.begin, copy_end, threadIdx.x, blockDim.x);
+        }
+      } else {
+        copy_range(t.src, t.dst, t.split, ch.begin, copy_end, threadIdx.x, blockDim.x);
+      }
     }
     const std::size_t zero_begin = ch.begin > t.count ? ch.begin : t.count;
     for (std::size_t i = zero_begin + threadIdx.x; i < ch.end; i += blockDim.x) {
@@ -199,7 +253,20 @@ class batched_copy {
                                   " elements and ", it.zero_fill, " zeros");
       }
       entries[i] = {it.src, it.dst, it.count,
-                    plan_vector_split({ref(it.src), ref(it.dst)}, it.count)};
+                    plan_vector_split({ref(it.src), ref(it.dst)}, it.count), 0u};
+      if constexpr (std::is_same_v<S, D>) {
+        // source and destination that cannot be aligned together (tensors at arbitrary element
+        // offsets of a flat buffer): 16-byte stores fed by shifted 16-byte loads
+        if (!entries[i].split.vectorised) {
+          const shifted_copy_split sh =
+              plan_shifted_copy(reinterpret_cast<std::uintptr_t>(it.src),
+                                reinterpret_cast<std::uintptr_t>(it.dst), it.count, sizeof(S));
+          if (sh.split.vectorised) {
+            entries[i].split = sh.split;
+            entries[i].shift = sh.shift;
+          }
+        }
+      }
       extents[i] = {it.count + it.zero_fill, entries[i].split, 0};
       elements_ += it.count + it.zero_fill;
       bytes_moved_ += it.count * (sizeof(S) + sizeof(D)) + it.zero_fill * sizeof(D);

@@ -128,6 +128,70 @@ inline vector_split plan_vector_split(std::initializer_list<array_ref> arrays, s
                            vector_bytes);
 }
 
+//! A same-type copy whose source and destination cannot be aligned together (their addresses
+//! differ by a number of bytes that is not a multiple of 16: the common case of flattening
+//! tensors into a buffer at arbitrary element offsets). The destination is written in aligned
+//! 16-byte packs; each pack's bytes are taken from two aligned 16-byte loads of the source,
+//! starting `shift` bytes into the first (shifted_pack). `split` describes the destination's
+//! packs as for plan_vector_split (head, packs, pack), so chunk plans and split_range apply.
+//! Both loads of every pack lie inside the source array: packs whose second load would reach
+//! past its end, or whose first would start before it, are left to the scalar head and tail.
+struct shifted_copy_split {
+  vector_split split;
+  unsigned shift = 0;  //!< (source address of the first pack) mod 16, bytes; 0: not shifted
+  friend constexpr bool operator==(const shifted_copy_split&, const shifted_copy_split&) = default;
+};
+
+//! Plans a shifted copy of n elements of `elem_bytes` bytes (2 or 4) from `src` to `dst`. The
+//! result is not vectorised when the arrays can be aligned together (use plan_vector_split), when
+//! either address is not aligned to its element size, or when n is too short for one pack.
+inline shifted_copy_split plan_shifted_copy(std::uintptr_t src, std::uintptr_t dst, std::size_t n,
+                                            std::size_t elem_bytes, std::size_t vector_bytes = 16) {
+  shifted_copy_split s;
+  if (n == 0 || elem_bytes == 0 || vector_bytes % elem_bytes != 0 || elem_bytes > 4) return s;
+  if (src % elem_bytes != 0 || dst % elem_bytes != 0) return s;
+  const std::size_t pack = vector_bytes / elem_bytes;
+  if ((src - dst) % vector_bytes == 0) return s;  // alignable together: not a shifted copy
+  // first element whose destination is vector-aligned
+  std::size_t head = (vector_bytes - dst % vector_bytes) % vector_bytes / elem_bytes;
+  const unsigned shift = static_cast<unsigned>((src + head * elem_bytes) % vector_bytes);
+  // the first pack's first load starts `shift` bytes before its source: not before the array
+  if (head * elem_bytes < shift) head += pack;
+  // pack p (element i = head + p·pack) loads bytes [src + i·e - shift, src + i·e - shift + 32)
+  const std::size_t total = n * elem_bytes;
+  const std::size_t first = head * elem_bytes - shift;  // offset of the first load
+  if (first + 2 * vector_bytes > total) return s;
+  const std::size_t packs = (total - first - 2 * vector_bytes) / vector_bytes + 1;
+  s.split.head = head;
+  s.split.pack = pack;
+  s.split.packs = packs;
+  s.split.vectorised = true;
+  s.shift = shift;
+  return s;
+}
+
+//! Four 32-bit words (one 16-byte vector) in memory order.
+struct words4 {
+  std::uint32_t w[4];
+  friend constexpr bool operator==(const words4&, const words4&) = default;
+};
+
+//! (hi:lo) >> s, low 32 bits, s < 32 (a funnel shift).
+SHARDKIT_HOST_DEVICE constexpr std::uint32_t funnel_shift_right(std::uint32_t lo, std::uint32_t hi,
+                                                                unsigned s) {
+  return s == 0 ? lo : (lo >> s) | (hi << (32u - s));
+}
+
+//! Bytes [4·Q + s/8, 4·Q + s/8 + 16) of the 32 bytes a (then b), on a little-endian machine: the
+//! pack of a shifted copy whose shift is 4·Q + s/8 bytes. Q in [0, 3], s in {0, 8, 16, 24}.
+template <int Q>
+SHARDKIT_HOST_DEVICE constexpr words4 shifted_pack(const words4& a, const words4& b, unsigned s) {
+  static_assert(Q >= 0 && Q <= 3, "the word shift of a 16-byte pack is 0..3");
+  const std::uint32_t c[8] = {a.w[0], a.w[1], a.w[2], a.w[3], b.w[0], b.w[1], b.w[2], b.w[3]};
+  return {{funnel_shift_right(c[Q], c[Q + 1], s), funnel_shift_right(c[Q + 1], c[Q + 2], s),
+           funnel_shift_right(c[Q + 2], c[Q + 3], s), funnel_shift_right(c[Q + 3], c[Q + 4], s)}};
+}
+
 //! An array_ref for a typed pointer.
 template <class T>
 array_ref ref(const T* p) noexcept {
