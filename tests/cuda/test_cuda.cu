@@ -263,6 +263,51 @@ TEST_CASE("fused step on the GPU equals host::fused_step_scalar bit for bit", "[
   check_fused_step<sgd_momentum, bf16, bf16>();
 }
 
+TEST_CASE("fused step skips on the device when the non-finite count is not zero", "[fused]") {
+  const std::size_t n = 4099;
+  std::uint64_t s = 5;
+  std::vector<float> p(n), m(n, 0.001f), v(n, 0.002f);
+  std::vector<bf16> g(n);
+  for (auto& x : p) x = random_float(s);
+  for (auto& x : g) x = bf16(random_float(s, 2.0f));
+  g[1234] = bf16(std::numeric_limits<float>::infinity());
+  dev_array<float> dp(p), dm(m), dv(v);
+  dev_array<bf16> dg(g), dw(std::vector<bf16>(n, bf16(-5.0f)));
+  dev_array<unsigned long long> count(std::vector<unsigned long long>{0});
+  float* state[2] = {dm.data(), dv.data()};
+  const auto k = adamw::prepare({.lr = 1e-3f, .weight_decay = 0.1f}, 1, 1e-3f, 1.0f);
+  // one infinity: counted on the device, the step (single run and table) changes nothing
+  gpu::count_nonfinite(dg.data(), n, count.data(), nullptr);
+  gpu::fused_step<adamw>(k, dp.data(), state, dg.data(), dw.data(), n, nullptr, count.data());
+  using table = gpu::fused_step_table<adamw, bf16, bf16>;
+  table::run r;
+  r.params = dp.data();
+  r.state = {dm.data(), dv.data()};
+  r.grads = dg.data();
+  r.working_out = dw.data();
+  r.count = n;
+  table t(std::span<const table::run>(&r, 1), 1, nullptr);
+  t.launch(std::span<const adamw::constants>(&k, 1), nullptr, count.data());
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  REQUIRE(count.download()[0] == 1);
+  REQUIRE(first_difference(dp.download(), p, "params after a skipped step") == "");
+  REQUIRE(first_difference(dm.download(), m, "m after a skipped step") == "");
+  REQUIRE(first_difference(dw.download(), std::vector<bf16>(n, bf16(-5.0f)), "working") == "");
+  // a zero count: the step runs, as without the pointer
+  g[1234] = bf16(0.5f);
+  dg.upload(g);
+  count.upload({0});
+  gpu::count_nonfinite(dg.data(), n, count.data(), nullptr);
+  gpu::fused_step<adamw>(k, dp.data(), state, dg.data(), dw.data(), n, nullptr, count.data());
+  std::vector<bf16> w(n);
+  float* hs[2] = {m.data(), v.data()};
+  host::fused_step_scalar<adamw, bf16, bf16>(k, p.data(), hs, g.data(), w.data(), n);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  REQUIRE(count.download()[0] == 0);
+  REQUIRE(first_difference(dp.download(), p, "params after a step") == "");
+  REQUIRE(first_difference(dw.download(), w, "working copy after a step") == "");
+}
+
 namespace {
 template <class Opt, class G, class W>
 std::string compare_step_table(std::size_t groups, bool write_out, std::uint64_t seed) {

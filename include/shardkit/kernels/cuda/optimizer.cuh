@@ -5,7 +5,8 @@
 //! function the host loops call), writes parameter and state back and the 16-bit working copy in
 //! the same pass. With bf16 gradients and Adam: read 2 + 12, write 12 + 2 = 28 bytes per element,
 //! the minimum (FACTS.md). The gradient multiplier (unscale × average × clip) is
-//! `constants::grad_scale`, applied inside.
+//! `constants::grad_scale`, applied inside. The overflow skip can stay on the device: the step
+//! takes an optional pointer to a non-finite count and changes nothing when it is non-zero.
 //!
 //!  - gpu::fused_step: one run, one grid-stride launch.
 //!  - gpu::fused_step_table: many runs (an engine's per-parameter-group runs) in one launch per
@@ -116,9 +117,16 @@ __device__ SHARDKIT_FORCEINLINE void step_range(const step_run<Opt, G, W>& r,
   for_each_element<E>(r.split, begin, end, tid, threads, scalar, packed);
 }
 
+//! True when the step is to be skipped: `skip` points to a non-zero count (device memory).
+__device__ SHARDKIT_FORCEINLINE bool skip_step(const unsigned long long* skip) {
+  return skip != nullptr && *skip != 0;
+}
+
 template <class Opt, class G, class W, bool WriteOut>
 __global__ void __launch_bounds__(fused_step_policy.threads, fused_step_policy.blocks_per_sm)
-    fused_step_kernel(step_run<Opt, G, W> r, typename Opt::constants k) {
+    fused_step_kernel(step_run<Opt, G, W> r, typename Opt::constants k,
+                      const unsigned long long* skip) {
+  if (skip_step(skip)) return;
   step_range<Opt, G, W, WriteOut>(r, k, 0, r.count, global_thread(), global_threads());
 }
 
@@ -126,6 +134,7 @@ __global__ void __launch_bounds__(fused_step_policy.threads, fused_step_policy.b
 template <class Opt>
 struct step_table_args {
   const work_chunk* chunks;
+  const unsigned long long* skip;  // non-zero count here: skip the step; nullptr: never
   std::uint32_t chunk_count;
   std::uint32_t first_group;
   typename Opt::constants k[max_groups_per_launch];
@@ -135,6 +144,7 @@ template <class Opt, class G, class W, bool WriteOut>
 __global__ void __launch_bounds__(fused_step_policy.threads, fused_step_policy.blocks_per_sm)
     fused_step_table_kernel(const step_run<Opt, G, W>* runs,
                             const __grid_constant__ step_table_args<Opt> a) {
+  if (skip_step(a.skip)) return;
   for (std::uint32_t c = blockIdx.x; c < a.chunk_count; c += gridDim.x) {
     const work_chunk ch = a.chunks[c];
     const step_run<Opt, G, W> r = runs[ch.run];
@@ -145,11 +155,12 @@ __global__ void __launch_bounds__(fused_step_policy.threads, fused_step_policy.b
 
 template <class Opt, class G, class W, bool WriteOut>
 void launch_step(const step_run<Opt, G, W>& r, const typename Opt::constants& k,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, const unsigned long long* skip) {
   const std::size_t items =
       r.split.vectorised ? r.split.packs + r.split.pack : r.count;  // packs, plus head/tail
   launch(&fused_step_kernel<Opt, G, W, WriteOut>, "gpu::fused_step",
-         grid_for(items, fused_step_policy), fused_step_policy.threads, stream, r.count, r, k);
+         grid_for(items, fused_step_policy), fused_step_policy.threads, stream, r.count, r, k,
+         skip);
 }
 
 }  // namespace detail
@@ -161,9 +172,15 @@ void launch_step(const step_run<Opt, G, W>& r, const typename Opt::constants& k,
 //!  - `grads`: the raw gradients (k.grad_scale is applied inside);
 //!  - `working_out`: where to write the rounded 16-bit working copy, or nullptr for none.
 //! The same contract as host::fused_step. Raises cuda_error when the launch fails.
+//!
+//! The overflow skip without a round trip to the host: when `skip_if_nonzero` (device memory)
+//! is given and holds a non-zero value when the kernel runs, the step changes nothing. Point it
+//! at the count of count_nonfinite (or accumulate_stats' word 256) after summing it over the
+//! ranks on the device, and an overflowing step is skipped in stream order.
 template <optimizer_policy Opt, float_storage G, float_storage W = bf16>
 void fused_step(const typename Opt::constants& k, float* params, float* const* state,
-                const G* grads, W* working_out, std::size_t n, device_stream stream) {
+                const G* grads, W* working_out, std::size_t n, device_stream stream,
+                const unsigned long long* skip_if_nonzero = nullptr) {
   static_assert(std::is_trivially_copyable_v<typename Opt::constants>,
                 "optimizer constants must be trivially copyable to reach a kernel");
   if (n == 0) return;
@@ -175,10 +192,10 @@ void fused_step(const typename Opt::constants& k, float* params, float* const* s
   r.count = n;
   if (working_out != nullptr) {
     r.split = detail::plan_step<Opt, G, W, true>(r);
-    detail::launch_step<Opt, G, W, true>(r, k, stream);
+    detail::launch_step<Opt, G, W, true>(r, k, stream, skip_if_nonzero);
   } else {
     r.split = detail::plan_step<Opt, G, W, false>(r);
-    detail::launch_step<Opt, G, W, false>(r, k, stream);
+    detail::launch_step<Opt, G, W, false>(r, k, stream, skip_if_nonzero);
   }
 }
 
@@ -241,18 +258,20 @@ class fused_step_table {
     table_.release();
   }
 
-  //! Enqueues the step of every run on `stream`, group g with constants k[g]. Raises
-  //! invalid_argument unless k holds one entry per group.
-  void launch(std::span<const typename Opt::constants> k, device_stream stream) const {
+  //! Enqueues the step of every run on `stream`, group g with constants k[g]; nothing changes
+  //! when `skip_if_nonzero` (device memory) holds a non-zero value then (see fused_step).
+  //! Raises invalid_argument unless k holds one entry per group.
+  void launch(std::span<const typename Opt::constants> k, device_stream stream,
+              const unsigned long long* skip_if_nonzero = nullptr) const {
     if (k.size() != groups_) {
       ::shardkit::detail::raise("fused_step_table::launch: ", k.size(),
                                 " constants given for a table of ", groups_, " group(s)");
     }
     if (chunk_count_ == 0) return;
     if (write_out_)
-      launch_impl<true>(k, stream);
+      launch_impl<true>(k, stream, skip_if_nonzero);
     else
-      launch_impl<false>(k, stream);
+      launch_impl<false>(k, stream, skip_if_nonzero);
   }
 
   std::size_t groups() const noexcept { return groups_; }
@@ -289,7 +308,8 @@ class fused_step_table {
   }
 
   template <bool WriteOut>
-  void launch_impl(std::span<const typename Opt::constants> k, device_stream stream) const {
+  void launch_impl(std::span<const typename Opt::constants> k, device_stream stream,
+                   const unsigned long long* skip) const {
     using dev_run = detail::step_run<Opt, G, W>;
     const auto* runs = reinterpret_cast<const dev_run*>(table_.data());
     for (std::size_t g0 = 0; g0 < groups_; g0 += max_groups_per_launch) {
@@ -298,6 +318,7 @@ class fused_step_table {
       if (c0 == c1) continue;
       detail::step_table_args<Opt> a{};
       a.chunks = chunks_ + c0;
+      a.skip = skip;
       a.chunk_count = static_cast<std::uint32_t>(c1 - c0);
       a.first_group = static_cast<std::uint32_t>(g0);
       for (std::size_t g = g0; g < g1; ++g) a.k[g - g0] = k[g];
