@@ -235,9 +235,16 @@ class thread_group_state {
   std::vector<std::weak_ptr<thread_group_state>> children_;
 };
 
-//! How a thread communicator moves and reduces data in a memory space.
+//! How a thread communicator moves and reduces data in a memory space: copy(), reduce() and,
+//! for transports that enqueue asynchronously (device memory, comm/thread_cuda.cuh), fence(),
+//! which completes this thread's outstanding transfers before the next rendezvous.
 template <memory_space Space>
 struct thread_transport;
+
+template <class Transport>
+void transport_fence() {
+  if constexpr (requires { Transport::fence(); }) Transport::fence();
+}
 
 template <>
 struct thread_transport<host_space> {
@@ -550,6 +557,7 @@ class thread_communicator {
         const std::size_t b = chunk_begin(d.count, n, r), len = chunk_size(d.count, n, r);
         for (int q = 0; q < n; ++q) srcs[q] = in_of(q) + b * esize;
         transport::reduce(d.type, srcs.data(), n, out_of(r) + b * esize, len, d.op);
+        detail::transport_fence<transport>();
         phase(nullptr, "reduction");
         for (int q = 0; q < n; ++q) {
           if (q == r) continue;
@@ -587,6 +595,7 @@ class thread_communicator {
       case collective::barrier:
         break;
     }
+    detail::transport_fence<transport>();
     phase(nullptr, "completion");
     m.traffic.record(
         d.kind, ring_bytes_sent(d.kind, d.count, esize, static_cast<std::size_t>(n),

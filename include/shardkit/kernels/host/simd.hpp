@@ -4,6 +4,11 @@
 //! an AVX2+FMA build of a loop on x86-64 CPUs that have it, whatever flags the user compiles
 //! with. The 16-bit conversions are branch-free and bit-identical to the scalar ones in
 //! core/dtype.hpp.
+//!
+//! CUDA translation units (`__CUDACC__`) compile these loops against a one-lane stand-in
+//! (kernels/host/simd_scalar.hpp), because nvcc cannot parse <experimental/simd>; so does any
+//! translation unit that defines `SHARDKIT_HOST_SCALAR_SIMD`. The one-lane build computes what
+//! the baseline build computes, bit for bit, and never dispatches to AVX2.
 #pragma once
 
 #include <shardkit/config.hpp>
@@ -13,25 +18,48 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <experimental/simd>
 #include <type_traits>
+
+#if defined(__CUDACC__) && !defined(SHARDKIT_HOST_SCALAR_SIMD)
+#define SHARDKIT_HOST_SCALAR_SIMD 1
+#endif
+#if defined(SHARDKIT_HOST_SCALAR_SIMD)
+#include <shardkit/kernels/host/simd_scalar.hpp>
+#else
+#include <experimental/simd>
+#endif
 
 SHARDKIT_NAMESPACE_BEGIN
 namespace simd {
 
+#if defined(SHARDKIT_HOST_SCALAR_SIMD)
+namespace stdx = scalar_shim;
+//! One fp32 lane (see kernels/host/simd_scalar.hpp).
+using vfloat = stdx::simd<float>;
+//! One uint32 lane.
+using vu32 = stdx::simd<std::uint32_t>;
+#else
 namespace stdx = std::experimental;
-
 //! fp32 vector of the widest width the translation unit's flags allow.
 using vfloat = stdx::native_simd<float>;
 //! uint32 vector with the same number of lanes.
 using vu32 = stdx::rebind_simd_t<std::uint32_t, vfloat>;
+#endif
 inline constexpr std::size_t width = vfloat::size();
 
 SHARDKIT_FORCEINLINE vfloat as_float(const vu32& u) {
+#if defined(SHARDKIT_HOST_SCALAR_SIMD)
+  return stdx::simd_bit_cast<vfloat>(u);
+#else
   return stdx::__proposed::simd_bit_cast<vfloat>(u);
+#endif
 }
 SHARDKIT_FORCEINLINE vu32 as_bits(const vfloat& f) {
+#if defined(SHARDKIT_HOST_SCALAR_SIMD)
+  return stdx::simd_bit_cast<vu32>(f);
+#else
   return stdx::__proposed::simd_bit_cast<vu32>(f);
+#endif
 }
 
 //! Widens 16-bit bfloat16 bit patterns to float (exact).
@@ -159,7 +187,8 @@ inline bool cpu_has_avx2_fma() noexcept {
 #endif
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__AVX2__)
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__AVX2__) && \
+    !defined(SHARDKIT_HOST_SCALAR_SIMD)
 #define SHARDKIT_DETAIL_HOST_DISPATCH 1
 //! `Kernel::run` compiled for AVX2+FMA (Kernel::run must be force-inlined).
 template <class Kernel, class... Args>
@@ -169,7 +198,8 @@ template <class Kernel, class... Args>
 #endif
 }  // namespace detail
 
-//! Name of the build dispatch() runs on this CPU: "avx2" or "baseline".
+//! Name of the build dispatch() runs on this CPU: "avx2" or "baseline". (Translation units
+//! built with the one-lane stand-in, SHARDKIT_HOST_SCALAR_SIMD, run that whatever this says.)
 inline const char* host_isa() noexcept {
   return detail::cpu_has_avx2_fma() ? "avx2" : "baseline";
 }

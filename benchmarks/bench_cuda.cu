@@ -1,0 +1,219 @@
+// CUDA benchmarks of shardkit's kernels, each against its own baseline measured in this binary:
+// a device-to-device cudaMemcpyAsync that moves the same number of bytes (read + write counted).
+//
+//   fused_adamw/N      gpu::fused_step<adamw>: bf16 grads, fp32 master/m/v, bf16 working copy
+//                      out: 28 bytes per element (FACTS.md's minimum)
+//   flatten/N          gpu::batched_copy<bf16, bf16>: N elements in 64 tensors of uneven sizes
+//                      into one padded flat buffer: 4 bytes per element
+//   grad_norm/N        gpu::accumulate_stats<bf16>: the exact integer-bin norm, 2 bytes per element
+//   reduce_ordered/N   gpu::reduce_ordered<bf16>, 4 sources: 10 bytes per element
+//   d2d_copy/B         cudaMemcpyAsync of B/2 bytes (B bytes moved)
+//
+// Every benchmark reports bytes_per_second (read + write) and `vs_copy`, its bandwidth over the
+// copy's at the same byte count. Times come from CUDA events around each launch (manual time).
+// Without a CUDA device the binary says so and exits with 77.
+#include <shardkit/cuda.cuh>
+
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+using namespace shardkit;
+
+namespace {
+
+constexpr std::int64_t mi = std::int64_t{1} << 20;
+
+template <class T>
+__global__ void fill_kernel(T* p, std::size_t n, std::uint64_t seed, float lo, float hi) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint64_t z = (i + 1) * 0x9e3779b97f4a7c15ull ^ seed;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z ^= z >> 27;
+    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
+    p[i] = from_float<T>(lo + (hi - lo) * u);
+  }
+}
+
+// Random values in [lo, hi), generated on the device.
+template <class T>
+void fill(T* p, std::size_t n, std::uint64_t seed, float lo, float hi) {
+  gpu::detail::launch(&fill_kernel<T>, "fill", 1024, 256, nullptr, n, p, n, seed, lo, hi);
+}
+
+void check(cudaError_t e, const char* what) {
+  detail::cuda_check(e, what);
+}
+
+// Times `fn` (which enqueues work on stream 0) with events, one sample per benchmark iteration;
+// returns the bytes moved per second over all samples.
+template <class F>
+double run_timed(benchmark::State& state, std::int64_t bytes, F&& fn) {
+  cuda_event start(true), stop(true);
+  fn();  // warm-up
+  check(cudaDeviceSynchronize(), "warm-up");
+  double total = 0;
+  for (auto _ : state) {
+    start.record(nullptr);
+    fn();
+    stop.record(nullptr);
+    stop.synchronize();
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start.get(), stop.get()), "cudaEventElapsedTime");
+    state.SetIterationTime(static_cast<double>(ms) * 1e-3);
+    total += static_cast<double>(ms) * 1e-3;
+  }
+  state.SetBytesProcessed(bytes * state.iterations());
+  return total > 0 ? static_cast<double>(bytes) * static_cast<double>(state.iterations()) / total
+                   : 0;
+}
+
+// The copy's bandwidth (bytes moved per second, median of 15) for a given byte count, measured
+// once per count.
+double copy_bandwidth(std::int64_t bytes_moved) {
+  static std::map<std::int64_t, double> cache;
+  if (auto it = cache.find(bytes_moved); it != cache.end()) return it->second;
+  const std::size_t half = static_cast<std::size_t>(bytes_moved / 2);
+  buffer<std::byte, cuda_space> a(half, nullptr, memory_category::comm_scratch);
+  buffer<std::byte, cuda_space> b(half, nullptr, memory_category::comm_scratch);
+  cuda_event start(true), stop(true);
+  std::vector<double> samples;
+  for (int i = 0; i < 16; ++i) {
+    start.record(nullptr);
+    copy_bytes_async(b.data(), a.data(), half, nullptr);
+    stop.record(nullptr);
+    stop.synchronize();
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start.get(), stop.get()), "cudaEventElapsedTime");
+    if (i > 0)
+      samples.push_back(static_cast<double>(bytes_moved) / (static_cast<double>(ms) * 1e-3));
+  }
+  std::sort(samples.begin(), samples.end());
+  return cache[bytes_moved] = samples[samples.size() / 2];
+}
+
+// Adds the bytes moved per iteration, the copy's bandwidth at that size and the ratio.
+void report_ratio(benchmark::State& state, std::int64_t bytes, double bytes_per_second) {
+  const double copy = copy_bandwidth(bytes);
+  state.counters["bytes_moved"] = static_cast<double>(bytes);
+  state.counters["copy_bytes_per_second"] = copy;
+  state.counters["vs_copy"] = copy > 0 ? bytes_per_second / copy : 0;
+}
+
+void BM_d2d_copy(benchmark::State& state) {
+  const std::int64_t bytes = state.range(0);
+  const std::size_t half = static_cast<std::size_t>(bytes / 2);
+  buffer<std::byte, cuda_space> a(half, nullptr, memory_category::comm_scratch);
+  buffer<std::byte, cuda_space> b(half, nullptr, memory_category::comm_scratch);
+  const double bw =
+      run_timed(state, bytes, [&] { copy_bytes_async(b.data(), a.data(), half, nullptr); });
+  report_ratio(state, bytes, bw);
+}
+
+void BM_fused_adamw(benchmark::State& state) {
+  const std::size_t n = static_cast<std::size_t>(state.range(0));
+  buffer<float, cuda_space> p(n, nullptr, memory_category::master_params),
+      m(n, nullptr, memory_category::optimizer_moments),
+      v(n, nullptr, memory_category::optimizer_moments);
+  buffer<bf16, cuda_space> g(n, nullptr, memory_category::grads),
+      w(n, nullptr, memory_category::working_params);
+  fill(p.data(), n, 1, -1.0f, 1.0f);
+  fill(m.data(), n, 2, -0.01f, 0.01f);
+  fill(v.data(), n, 3, 1e-6f, 1e-4f);
+  fill(g.data(), n, 4, -0.1f, 0.1f);
+  float* state_ptrs[2] = {m.data(), v.data()};
+  const auto k = adamw::prepare({.lr = 1e-4f, .weight_decay = 0.01f}, 10, 1e-4f, 0.5f);
+  const std::int64_t bytes = static_cast<std::int64_t>(n) * 28;
+  const double bw = run_timed(state, bytes, [&] {
+    gpu::fused_step<adamw>(k, p.data(), state_ptrs, g.data(), w.data(), n, nullptr);
+  });
+  report_ratio(state, bytes, bw);
+}
+
+void BM_flatten(benchmark::State& state) {
+  const std::size_t n = static_cast<std::size_t>(state.range(0));
+  constexpr std::size_t tensors = 64;
+  buffer<bf16, cuda_space> src(n, nullptr, memory_category::working_params);
+  buffer<bf16, cuda_space> flat(n + tensors * 8, nullptr, memory_category::gathered_params);
+  fill(src.data(), n, 5, -1.0f, 1.0f);
+  std::vector<gpu::batched_copy<bf16, bf16>::item> items;
+  std::size_t at = 0, out = 0;
+  for (std::size_t t = 0; t < tensors; ++t) {
+    // uneven sizes (±25%) that start at odd offsets, like a model's parameters
+    const std::size_t share = n / tensors;
+    std::size_t len = t + 1 == tensors ? n - at : share * 3 / 4 + (t * 7919) % (share / 2 + 1);
+    len = std::min(len, n - at);
+    items.push_back({src.data() + at, flat.data() + out, len, t + 1 == tensors ? 0u : 1u});
+    at += len;
+    out += len + (t + 1 == tensors ? 0 : 1);
+  }
+  gpu::batched_copy<bf16, bf16> copy(items, nullptr);
+  const auto bytes = static_cast<std::int64_t>(copy.bytes_moved());
+  const double bw = run_timed(state, bytes, [&] { copy.run(nullptr); });
+  report_ratio(state, bytes, bw);
+}
+
+void BM_grad_norm(benchmark::State& state) {
+  const std::size_t n = static_cast<std::size_t>(state.range(0));
+  buffer<bf16, cuda_space> g(n, nullptr, memory_category::grads);
+  buffer<gpu::device_grad_stats, cuda_space> st(1, nullptr, memory_category::comm_scratch);
+  fill(g.data(), n, 6, -0.1f, 0.1f);
+  const std::int64_t bytes = static_cast<std::int64_t>(n) * 2;
+  const double bw =
+      run_timed(state, bytes, [&] { gpu::accumulate_stats(g.data(), n, st.data(), nullptr); });
+  report_ratio(state, bytes, bw);
+}
+
+void BM_reduce_ordered(benchmark::State& state) {
+  const std::size_t n = static_cast<std::size_t>(state.range(0));
+  constexpr std::size_t k = 4;
+  buffer<bf16, cuda_space> in(n * k, nullptr, memory_category::grad_buckets);
+  buffer<bf16, cuda_space> out(n, nullptr, memory_category::grads);
+  fill(in.data(), n * k, 7, -1.0f, 1.0f);
+  const bf16* src[k];
+  for (std::size_t q = 0; q < k; ++q) src[q] = in.data() + q * n;
+  const std::int64_t bytes = static_cast<std::int64_t>(n) * 2 * (k + 1);
+  const double bw = run_timed(
+      state, bytes, [&] { gpu::reduce_ordered(src, k, out.data(), n, reduce_op::sum, nullptr); });
+  report_ratio(state, bytes, bw);
+}
+
+void sizes(benchmark::internal::Benchmark* b) {
+  for (std::int64_t n : {1 * mi, 4 * mi, 16 * mi, 64 * mi, 256 * mi}) b->Arg(n);
+  b->UseManualTime()->Unit(benchmark::kMicrosecond);
+}
+
+BENCHMARK(BM_fused_adamw)->Apply(sizes);
+BENCHMARK(BM_flatten)->Apply(sizes);
+BENCHMARK(BM_grad_norm)->Apply(sizes);
+BENCHMARK(BM_reduce_ordered)->Apply(sizes);
+BENCHMARK(BM_d2d_copy)
+    ->Arg(28 * 256 * mi)  // the fused step's bytes at 256M elements
+    ->Arg(4 * 256 * mi)   // flatten's
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (cuda_device_count() == 0) {
+    std::printf("no CUDA device: skipping the CUDA benchmarks\n");
+    return 77;
+  }
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  benchmark::AddCustomContext("gpu", prop.name);
+  benchmark::AddCustomContext("gpu_sms", std::to_string(prop.multiProcessorCount));
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

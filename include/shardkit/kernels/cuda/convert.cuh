@@ -1,0 +1,322 @@
+//! \file kernels/cuda/convert.cuh
+//! Element-wise kernels over device arrays, the device twins of kernels/host/convert.hpp: casts
+//! between fp32/bf16/fp16 (round to nearest even, NaN payloads kept, as core/dtype.hpp),
+//! accumulation (acc += x in fp32, rounded once), and `batched_copy`: flatten, unflatten and
+//! pad many tensors in one launch, from a device table of (source, destination, count, zero fill)
+//! entries cut into chunks, with the cast on the way. Same-type copies move 16-byte words, also
+//! when source and destination are misaligned against each other (shifted loads, launch.hpp);
+//! converting copies between arrays that cannot be aligned together run scalar.
+//!
+//!     // flatten three tensors into a padded flat buffer, then back:
+//!     using copy = shardkit::gpu::batched_copy<bf16, bf16>;
+//!     std::vector<copy::item> in = {{w0, flat + 0, n0}, {b0, flat + n0, n1},
+//!                                   {w1, flat + n0 + n1, n2, padding}};
+//!     copy flatten(in, stream);          // plans and uploads the table once
+//!     flatten.run(stream);               // every step: one launch
+#pragma once
+
+#include <shardkit/config.hpp>
+#include <shardkit/core/cuda.cuh>
+#include <shardkit/core/cuda_memory.cuh>
+#include <shardkit/core/device.hpp>
+#include <shardkit/core/dtype.hpp>
+#include <shardkit/core/error.hpp>
+#include <shardkit/core/memory.hpp>
+#include <shardkit/kernels/cuda/common.cuh>
+#include <shardkit/kernels/cuda/launch.hpp>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+SHARDKIT_NAMESPACE_BEGIN
+namespace gpu {
+
+namespace detail {
+
+template <class S, class D>
+inline constexpr int copy_pack = pack_of<std::min(sizeof(S), sizeof(D))>;
+
+//! One pack's registers of a copy from S to D: raw bits when the types agree, floats otherwise.
+template <class S, class D, int E>
+struct copy_regs {
+  float v[E];
+};
+template <class T, int E>
+struct copy_regs<T, T, E> {
+  uint4 w[E * sizeof(T) / 16];
+};
+
+//! Copies (converting) elements [begin, end) of src to dst, U packs per thread per iteration.
+template <class S, class D>
+__device__ SHARDKIT_FORCEINLINE void copy_range(const S* src, D* dst, const vector_split& split,
+                                                std::size_t begin, std::size_t end, std::size_t tid,
+                                                std::size_t threads) {
+  constexpr int E = copy_pack<S, D>;
+  using regs = copy_regs<S, D, E>;
+  for_each_element_ilp<E, copy_policy.unroll, regs>(
+      split, begin, end, tid, threads,
+      [&](std::size_t i) { dst[i] = from_float<D>(to_float(src[i])); },
+      [&](std::size_t i, regs& r) {
+        if constexpr (std::is_same_v<S, D>) {
+#pragma unroll
+          for (std::size_t j = 0; j < sizeof(r.w) / 16; ++j) {
+            r.w[j] = load16(src + i + j * (16 / sizeof(S)));
+          }
+        } else {
+          load_pack<S, E>(src + i, r.v);
+        }
+      },
+      [&](std::size_t i, const regs& r) {
+        if constexpr (std::is_same_v<S, D>) {
+#pragma unroll
+          for (std::size_t j = 0; j < sizeof(r.w) / 16; ++j) {
+            store16(dst + i + j * (16 / sizeof(D)), r.w[j]);
+          }
+        } else {
+          store_pack<D, E>(dst + i, r.v);
+        }
+      });
+}
+
+template <class S, class D>
+__global__ void __launch_bounds__(copy_policy.threads, copy_policy.blocks_per_sm)
+    convert_kernel(const S* in, D* out, std::size_t n, vector_split split) {
+  copy_range(in, out, split, 0, n, global_thread(), global_threads());
+}
+
+template <class S, class D, int E>
+struct accumulate_regs {
+  float acc[E];
+  float x[E];
+};
+
+template <class S, class D>
+__global__ void __launch_bounds__(copy_policy.threads, copy_policy.blocks_per_sm)
+    accumulate_kernel(const S* in, D* acc, std::size_t n, vector_split split) {
+  constexpr int E = copy_pack<S, D>;
+  using regs = accumulate_regs<S, D, E>;
+  for_each_element_ilp<E, copy_policy.unroll, regs>(
+      split, 0, n, global_thread(), global_threads(),
+      [&](std::size_t i) { acc[i] = from_float<D>(to_float(acc[i]) + to_float(in[i])); },
+      [&](std::size_t i, regs& r) {
+        load_pack<D, E>(acc + i, r.acc);
+        load_pack<S, E>(in + i, r.x);
+      },
+      [&](std::size_t i, regs& r) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) r.acc[e] = r.acc[e] + r.x[e];
+        store_pack<D, E>(acc + i, r.acc);
+      });
+}
+
+//! Copies elements [begin, end) of a same-type shifted copy (launch.hpp, plan_shifted_copy):
+//! aligned 16-byte stores to dst, each from two aligned 16-byte loads of src combined with a
+//! funnel shift; Q = shift / 4 (compile time, so the words stay in registers). Raw bits: every
+//! pattern, NaN payloads included, arrives unchanged, as in copy_range.
+template <int Q, class T>
+__device__ SHARDKIT_FORCEINLINE void copy_range_shifted_q(const T* src, T* dst,
+                                                          const vector_split& split, unsigned shift,
+                                                          std::size_t begin, std::size_t end,
+                                                          std::size_t tid, std::size_t threads) {
+  constexpr int E = static_cast<int>(16 / sizeof(T));
+  const unsigned bits = (shift % 4u) * 8u;
+  for_each_element_ilp<E, copy_policy.unroll, words4>(
+      split, begin, end, tid, threads, [&](std::size_t i) { dst[i] = src[i]; },
+      [&](std::size_t i, words4& r) {
+        const char* at = reinterpret_cast<const char*>(src + i) - shift;  // 16-byte aligned
+        const uint4 lo = load16(at);
+        const uint4 hi = load16(at + 16);
+        r = shifted_pack<Q>(words4{{lo.x, lo.y, lo.z, lo.w}}, words4{{hi.x, hi.y, hi.z, hi.w}},
+                            bits);
+      },
+      [&](std::size_t i, const words4& r) {
+        store16(dst + i, make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]));
+      });
+}
+
+template <class T>
+__device__ SHARDKIT_FORCEINLINE void copy_range_shifted(const T* src, T* dst,
+                                                        const vector_split& split, unsigned shift,
+                                                        std::size_t begin, std::size_t end,
+                                                        std::size_t tid, std::size_t threads) {
+  switch (shift / 4u) {
+    case 0:
+      return copy_range_shifted_q<0>(src, dst, split, shift, begin, end, tid, threads);
+    case 1:
+      return copy_range_shifted_q<1>(src, dst, split, shift, begin, end, tid, threads);
+    case 2:
+      return copy_range_shifted_q<2>(src, dst, split, shift, begin, end, tid, threads);
+    default:
+      return copy_range_shifted_q<3>(src, dst, split, shift, begin, end, tid, threads);
+  }
+}
+
+//! One entry of a batched copy as the kernel sees it.
+template <class S, class D>
+struct copy_entry {
+  const S* src;
+  D* dst;
+  std::size_t count;  // converted elements; zeros follow up to the chunk's end
+  vector_split split;
+  unsigned shift;  // same-type copies only: != 0 for a shifted copy (plan_shifted_copy)
+};
+
+template <class S, class D>
+__global__ void __launch_bounds__(copy_policy.threads, copy_policy.blocks_per_sm)
+    batched_copy_kernel(const copy_entry<S, D>* entries, const work_chunk* chunks,
+                        std::uint32_t chunk_count) {
+  for (std::uint32_t c = blockIdx.x; c < chunk_count; c += gridDim.x) {
+    const work_chunk ch = chunks[c];
+    const copy_entry<S, D> t = entries[ch.run];
+    const std::size_t copy_end = ch.end < t.count ? ch.end : t.count;
+    if (ch.begin < copy_end) {
+      if constexpr (std::is_same_v<S, D>) {
+        if (t.shift != 0) {
+          copy_range_shifted(t.src, t.dst, t.split, t.shift, ch.begin, copy_end, threadIdx.x,
+                             blockDim.x);
+        } else {
+          copy_range(t.src, t.dst, t.split, ch.begin, copy_end, threadIdx.x, blockDim.x);
+        }
+      } else {
+        copy_range(t.src, t.dst, t.split, ch.begin, copy_end, threadIdx.x, blockDim.x);
+      }
+    }
+    const std::size_t zero_begin = ch.begin > t.count ? ch.begin : t.count;
+    for (std::size_t i = zero_begin + threadIdx.x; i < ch.end; i += blockDim.x) {
+      t.dst[i] = from_float<D>(0.0f);
+    }
+  }
+}
+
+}  // namespace detail
+
+//! out[i] = in[i] converted (exact widening, or round to nearest even), i < n, on `stream`. The
+//! same contract as host::convert; a same-type copy is a cudaMemcpyAsync.
+template <float_storage S, float_storage D>
+void convert(const S* in, D* out, std::size_t n, device_stream stream) {
+  if (n == 0) return;
+  if constexpr (std::is_same_v<S, D>) {
+    copy_bytes_async(out, in, n * sizeof(S), stream);
+  } else {
+    const vector_split split = plan_vector_split({ref(in), ref(out)}, n);
+    const std::size_t items = split.vectorised ? split.packs + split.pack : n;
+    detail::launch(&detail::convert_kernel<S, D>, "gpu::convert",
+                   detail::grid_for(items, copy_policy), copy_policy.threads, stream, n, in, out, n,
+                   split);
+  }
+}
+
+//! acc[i] = acc[i] + in[i], computed in fp32 and rounded once to D, on `stream` (as
+//! host::accumulate).
+template <float_storage S, float_storage D>
+void accumulate(const S* in, D* acc, std::size_t n, device_stream stream) {
+  if (n == 0) return;
+  const vector_split split = plan_vector_split({ref(in), ref(acc)}, n);
+  const std::size_t items = split.vectorised ? split.packs + split.pack : n;
+  detail::launch(&detail::accumulate_kernel<S, D>, "gpu::accumulate",
+                 detail::grid_for(items, copy_policy), copy_policy.threads, stream, n, in, acc, n,
+                 split);
+}
+
+//! Many converting copies in one launch: flatten tensors into a flat buffer (with zero padding),
+//! unflatten it into tensors, or any other list of copies between device arrays. Build it once
+//! (it plans chunks and uploads the table, ordered on the given stream), run it as often as
+//! needed; the arrays must stay valid. Destinations must not overlap each other or any source.
+template <float_storage S, float_storage D>
+class batched_copy {
+ public:
+  //! Copy `count` elements from `src` to `dst` (converting), then write `zero_fill` zeros
+  //! after them (padding).
+  struct item {
+    const S* src = nullptr;
+    D* dst = nullptr;
+    std::size_t count = 0;
+    std::size_t zero_fill = 0;
+  };
+
+  batched_copy() = default;
+
+  batched_copy(std::span<const item> items, device_stream stream) : stream_(stream) {
+    std::vector<detail::copy_entry<S, D>> entries(items.size());
+    std::vector<run_extent> extents(items.size());
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      const item& it = items[i];
+      if ((it.count != 0 && (it.src == nullptr || it.dst == nullptr)) ||
+          (it.zero_fill != 0 && it.dst == nullptr)) {
+        ::shardkit::detail::raise("batched_copy: item ", i, " has a null pointer for ", it.count,
+                                  " elements and ", it.zero_fill, " zeros");
+      }
+      entries[i] = {it.src, it.dst, it.count,
+                    plan_vector_split({ref(it.src), ref(it.dst)}, it.count), 0u};
+      if constexpr (std::is_same_v<S, D>) {
+        // source and destination that cannot be aligned together (tensors at arbitrary element
+        // offsets of a flat buffer): 16-byte stores fed by shifted 16-byte loads
+        if (!entries[i].split.vectorised) {
+          const shifted_copy_split sh =
+              plan_shifted_copy(reinterpret_cast<std::uintptr_t>(it.src),
+                                reinterpret_cast<std::uintptr_t>(it.dst), it.count, sizeof(S));
+          if (sh.split.vectorised) {
+            entries[i].split = sh.split;
+            entries[i].shift = sh.shift;
+          }
+        }
+      }
+      extents[i] = {it.count + it.zero_fill, entries[i].split, 0};
+      elements_ += it.count + it.zero_fill;
+      bytes_moved_ += it.count * (sizeof(S) + sizeof(D)) + it.zero_fill * sizeof(D);
+    }
+    const chunk_plan plan = plan_chunks(extents, 1);
+    chunk_count_ = plan.chunks.size();
+    if (chunk_count_ == 0) return;
+    const std::size_t entry_bytes = (entries.size() * sizeof(entries[0]) + 255) / 256 * 256;
+    device_stream_scope scope(stream);
+    table_ = buffer<std::byte, cuda_space>(entry_bytes + chunk_count_ * sizeof(work_chunk), nullptr,
+                                           memory_category::comm_scratch);
+    copy_bytes_async(table_.data(), entries.data(), entries.size() * sizeof(entries[0]), stream);
+    copy_bytes_async(table_.data() + entry_bytes, plan.chunks.data(),
+                     chunk_count_ * sizeof(work_chunk), stream);
+    chunks_ = reinterpret_cast<const work_chunk*>(table_.data() + entry_bytes);
+  }
+
+  batched_copy(batched_copy&&) noexcept = default;
+  batched_copy& operator=(batched_copy&&) noexcept = default;
+  //! Frees the device table ordered on the stream it was built on.
+  ~batched_copy() {
+    device_stream_scope scope(stream_);
+    table_.release();
+  }
+
+  //! Enqueues every copy on `stream` (one launch).
+  void run(device_stream stream) const {
+    if (chunk_count_ == 0) return;
+    const std::size_t grid = std::min<std::size_t>(
+        chunk_count_, static_cast<std::size_t>(cuda_sm_count()) * copy_policy.blocks_per_sm);
+    detail::launch(&detail::batched_copy_kernel<S, D>, "gpu::batched_copy", grid,
+                   copy_policy.threads, stream, elements_,
+                   reinterpret_cast<const detail::copy_entry<S, D>*>(table_.data()), chunks_,
+                   static_cast<std::uint32_t>(chunk_count_));
+  }
+
+  //! Destination elements written per run (copies and zeros).
+  std::size_t elements() const noexcept { return elements_; }
+  //! Bytes read plus bytes written per run.
+  std::size_t bytes_moved() const noexcept { return bytes_moved_; }
+  std::size_t chunks() const noexcept { return chunk_count_; }
+
+ private:
+  device_stream stream_ = nullptr;
+  std::size_t elements_ = 0;
+  std::size_t bytes_moved_ = 0;
+  std::size_t chunk_count_ = 0;
+  buffer<std::byte, cuda_space> table_;
+  const work_chunk* chunks_ = nullptr;
+};
+
+}  // namespace gpu
+SHARDKIT_NAMESPACE_END
