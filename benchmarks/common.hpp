@@ -14,7 +14,8 @@
 
 #include <benchmark/benchmark.h>
 
-#include <barrier>
+#include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -25,6 +26,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace bench {
@@ -65,6 +67,32 @@ inline std::vector<std::size_t> geometric(std::size_t lo, std::size_t hi, std::s
   return v;
 }
 
+//! A barrier for a few threads that may share few cores: arrivals spin briefly (yielding the
+//! core), then sleep on the generation word (futex), so an idle wait costs no CPU.
+class spin_barrier {
+ public:
+  explicit spin_barrier(int n) : n_(n) {}
+  void arrive_and_wait() {
+    const std::uint32_t gen = gen_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      gen_.fetch_add(1, std::memory_order_release);
+      gen_.notify_all();
+      return;
+    }
+    for (int i = 0; i < 200; ++i) {
+      if (gen_.load(std::memory_order_acquire) != gen) return;
+      std::this_thread::yield();
+    }
+    while (gen_.load(std::memory_order_acquire) == gen) gen_.wait(gen, std::memory_order_acquire);
+  }
+
+ private:
+  const int n_;
+  std::atomic<int> arrived_{0};
+  std::atomic<std::uint32_t> gen_{0};
+};
+
 //! T threads that run one function together, again and again, without being created anew:
 //! run(f) calls f(t) on thread t for t = 0..T-1 (t = 0 is the caller) and returns when every
 //! thread has finished. This is how a training framework drives a per-step parallel loop or its
@@ -102,8 +130,8 @@ class team {
 
  private:
   int n_;
-  std::barrier<> start_;
-  std::barrier<> done_;
+  spin_barrier start_;
+  spin_barrier done_;
   const std::function<void(int)>* job_ = nullptr;
   bool stop_ = false;
   std::vector<std::thread> workers_;
