@@ -36,21 +36,27 @@ struct arena {
   std::size_t n = 0;
   bench::array<std::byte> bytes;
   float *p, *m, *v, *g32, *tmp;
+  std::byte* copy_dst;
+  static constexpr std::size_t stagger = 4096 + 64 * 7;
   shardkit::bf16 *g16, *out;
 
   void resize(std::size_t elems) {
     if (elems == n) return;
+    // Arrays start `stagger` bytes apart beyond their sizes, so that equal indices do not fall
+    // on the same cache sets and 4 KiB page offsets (with power-of-two sizes they otherwise
+    // would, and every stream would evict the others).
     bytes = bench::array<std::byte>();
-    bytes = bench::make_array<std::byte>(elems * 28);
+    bytes = bench::make_array<std::byte>(elems * 28 + 8 * stagger);
     n = elems;
     std::byte* b = bytes.data();
     p = reinterpret_cast<float*>(b);
-    m = reinterpret_cast<float*>(b + 4 * n);
-    v = reinterpret_cast<float*>(b + 8 * n);
-    g32 = reinterpret_cast<float*>(b + 12 * n);
-    g16 = reinterpret_cast<shardkit::bf16*>(b + 12 * n);
-    out = reinterpret_cast<shardkit::bf16*>(b + 16 * n);
-    tmp = reinterpret_cast<float*>(b + 18 * n);
+    m = reinterpret_cast<float*>(b + 4 * n + stagger);
+    v = reinterpret_cast<float*>(b + 8 * n + 2 * stagger);
+    g32 = reinterpret_cast<float*>(b + 12 * n + 3 * stagger);
+    g16 = reinterpret_cast<shardkit::bf16*>(b + 12 * n + 3 * stagger);
+    out = reinterpret_cast<shardkit::bf16*>(b + 16 * n + 4 * stagger);
+    tmp = reinterpret_cast<float*>(b + 18 * n + 5 * stagger);
+    copy_dst = b + 14 * n + 7 * stagger;  // memcpy: the first 14n bytes to here
     for (std::size_t i = 0; i < n; ++i) {
       p[i] = 0.5f - static_cast<float>(i % 1000) * 1e-3f;
       g32[i] = 1e-3f * (static_cast<float>(i % 77) - 38.0f);
@@ -154,7 +160,7 @@ void run_part(variant which, arena& a, std::size_t b, std::size_t e) {
                                      a.m + b, a.v + b, a.out + b, len);
       break;
     case variant::memcpy:
-      std::memcpy(a.bytes.data() + 14 * a.n + 14 * b, a.bytes.data() + 14 * b, 14 * len);
+      std::memcpy(a.copy_dst + 14 * b, a.bytes.data() + 14 * b, 14 * len);
       break;
     case variant::naive_adam:
       naive_adam(k, a.g16 + b, a.p + b, a.m + b, a.v + b, a.tmp + b, a.out + b, len);
