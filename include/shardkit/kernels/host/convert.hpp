@@ -29,6 +29,22 @@ struct convert_kernel {
   }
 };
 
+#if defined(SHARDKIT_DETAIL_HOST_WIDE)
+template <class T>
+inline constexpr bool wide_type = std::is_same_v<T, float> || std::is_same_v<T, bf16>;
+
+//! fp32 <-> bf16 on 8-lane vectors, for the AVX2 build (see simd::wide).
+template <class S, class D>
+struct convert_wide_kernel {
+  SHARDKIT_FORCEINLINE static void run(const S* in, D* out, std::size_t n) {
+    namespace w = simd::wide;
+    std::size_t i = 0;
+    for (; i + w::width <= n; i += w::width) w::store(out + i, w::load(in + i));
+    if (i < n) w::store_partial(out + i, w::load_partial(in + i, n - i), n - i);
+  }
+};
+#endif
+
 template <class S, class D>
 struct accumulate_kernel {
   SHARDKIT_FORCEINLINE static void run(const S* in, D* acc, std::size_t n) {
@@ -54,6 +70,14 @@ void convert(const S* in, D* out, std::size_t n) {
       std::memcpy(out, in, n * sizeof(S));
     }
   } else {
+#if defined(SHARDKIT_DETAIL_HOST_WIDE)
+    if constexpr (detail::wide_type<S> && detail::wide_type<D>) {
+      if (::shardkit::detail::cpu_has_avx2_fma()) {
+        ::shardkit::detail::run_avx2<detail::convert_wide_kernel<S, D>>(in, out, n);
+        return;
+      }
+    }
+#endif
     dispatch<detail::convert_kernel<S, D>>(in, out, n);
   }
 }

@@ -12,6 +12,7 @@
 #include <shardkit/kernels/math.hpp>
 
 #include <cstddef>
+#include <type_traits>
 
 SHARDKIT_NAMESPACE_BEGIN
 namespace host {
@@ -53,6 +54,70 @@ struct fused_step_kernel {
     if (i < n) one(kk, p, state, g, out, i, n - i);
   }
 };
+#if defined(SHARDKIT_DETAIL_HOST_WIDE)
+//! The same loop on 8-lane vectors, for the AVX2 build: every element, the tail too, goes
+//! through the same vector code, and the per-element arithmetic is Opt::update as above.
+template <class Opt, class G, class W, bool WriteOut>
+struct fused_step_wide_kernel {
+  static constexpr std::size_t S = Opt::state_count;
+  using V = simd::wide::vfloat;
+
+  SHARDKIT_FORCEINLINE static void one(const typename Opt::constants& k, float* p,
+                                       float* const* state, const G* g, W* out, std::size_t i,
+                                       std::size_t n) {
+    namespace w = simd::wide;
+    const bool full = n == w::width;
+    V pv = full ? w::load(p + i) : w::load_partial(p + i, n);
+    V sv[S];
+    for (std::size_t s = 0; s < S; ++s) {
+      sv[s] = full ? w::load(state[s] + i) : w::load_partial(state[s] + i, n);
+    }
+    const V gv = full ? w::load(g + i) : w::load_partial(g + i, n);
+    Opt::update(pv, sv, gv, k);
+    if (full) {
+      w::store(p + i, pv);
+      for (std::size_t s = 0; s < S; ++s) w::store(state[s] + i, sv[s]);
+      if constexpr (WriteOut) w::store(out + i, pv);
+    } else {
+      w::store_partial(p + i, pv, n);
+      for (std::size_t s = 0; s < S; ++s) w::store_partial(state[s] + i, sv[s], n);
+      if constexpr (WriteOut) w::store_partial(out + i, pv, n);
+    }
+  }
+
+  SHARDKIT_FORCEINLINE static void run(const typename Opt::constants* k, float* p,
+                                       float* const* state, const G* g, W* out, std::size_t n) {
+    constexpr std::size_t L = simd::wide::width;
+    const typename Opt::constants kk = *k;
+    float* st[S];  // local copies: the stores cannot alias them, so they stay in registers
+    for (std::size_t s = 0; s < S; ++s) st[s] = state[s];
+    std::size_t i = 0;
+    for (; i + L <= n; i += L) one(kk, p, st, g, out, i, L);
+    if (i < n) one(kk, p, st, g, out, i, n - i);
+  }
+};
+
+template <class T>
+inline constexpr bool wide_storage = std::is_same_v<T, float> || std::is_same_v<T, bf16>;
+#endif
+
+//! Runs the fused loop in the best build for this CPU: the 8-lane AVX2 loop where it applies
+//! (fp32/bf16 storage on an AVX2+FMA CPU, from a translation unit built below AVX2), dispatch()
+//! otherwise.
+template <class Opt, class G, class W, bool WriteOut>
+void run_fused(const typename Opt::constants* k, float* p, float* const* state, const G* g, W* out,
+               std::size_t n) {
+#if defined(SHARDKIT_DETAIL_HOST_WIDE)
+  if constexpr (wide_storage<G> && wide_storage<W>) {
+    if (::shardkit::detail::cpu_has_avx2_fma()) {
+      ::shardkit::detail::run_avx2<fused_step_wide_kernel<Opt, G, W, WriteOut>>(k, p, state, g, out,
+                                                                                n);
+      return;
+    }
+  }
+#endif
+  dispatch<fused_step_kernel<Opt, G, W, WriteOut>>(k, p, state, g, out, n);
+}
 }  // namespace detail
 
 //! One optimizer step over `n` consecutive elements.
@@ -68,9 +133,9 @@ void fused_step(const typename Opt::constants& k, float* params, float* const* s
                 const G* grads, W* working_out, std::size_t n) {
   if (n == 0) return;
   if (working_out != nullptr) {
-    dispatch<detail::fused_step_kernel<Opt, G, W, true>>(&k, params, state, grads, working_out, n);
+    detail::run_fused<Opt, G, W, true>(&k, params, state, grads, working_out, n);
   } else {
-    dispatch<detail::fused_step_kernel<Opt, G, W, false>>(&k, params, state, grads, working_out, n);
+    detail::run_fused<Opt, G, W, false>(&k, params, state, grads, working_out, n);
   }
 }
 

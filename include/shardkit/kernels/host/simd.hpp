@@ -198,6 +198,99 @@ template <class Kernel, class... Args>
 #endif
 }  // namespace detail
 
+#if defined(SHARDKIT_DETAIL_HOST_DISPATCH)
+#define SHARDKIT_DETAIL_HOST_WIDE 1
+//! 256-bit fp32 vectors for the AVX2 build of the fused optimizer step. native_simd takes its
+//! width from the translation unit's flags (4 lanes below AVX), so inside run_avx2 it stays at
+//! 128 bits; these are plain GCC/Clang vector types, which compile to the 256-bit registers of
+//! the function they are inlined into. No intrinsics: the code has no target of its own.
+namespace simd::wide {
+inline constexpr std::size_t width = 8;
+using f32x8 = float __attribute__((vector_size(32)));
+//! The same vector, 16-byte aligned in memory: vfloat is passed by value like an SSE type, so it
+//! has one calling convention whatever the flags (it never crosses a call: all is inlined).
+typedef float f32x8_a16 __attribute__((vector_size(32), aligned(16)));
+using u32x8 = std::uint32_t __attribute__((vector_size(32)));
+using u16x8 = std::uint16_t __attribute__((vector_size(16)));
+using f32x4 = float __attribute__((vector_size(16)));
+
+//! An 8-lane fp32 value with the arithmetic the optimizer policies of kernels/math.hpp use.
+struct vfloat {
+  f32x8_a16 v;
+  friend SHARDKIT_FORCEINLINE vfloat operator+(vfloat a, vfloat b) { return {a.v + b.v}; }
+  friend SHARDKIT_FORCEINLINE vfloat operator-(vfloat a, vfloat b) { return {a.v - b.v}; }
+  friend SHARDKIT_FORCEINLINE vfloat operator*(vfloat a, vfloat b) { return {a.v * b.v}; }
+  friend SHARDKIT_FORCEINLINE vfloat operator/(vfloat a, vfloat b) { return {a.v / b.v}; }
+  friend SHARDKIT_FORCEINLINE vfloat operator+(vfloat a, float b) { return {a.v + b}; }
+  friend SHARDKIT_FORCEINLINE vfloat operator-(vfloat a, float b) { return {a.v - b}; }
+  friend SHARDKIT_FORCEINLINE vfloat operator*(vfloat a, float b) { return {a.v * b}; }
+  friend SHARDKIT_FORCEINLINE vfloat operator/(vfloat a, float b) { return {a.v / b}; }
+  friend SHARDKIT_FORCEINLINE vfloat operator+(float a, vfloat b) { return {a + b.v}; }
+  friend SHARDKIT_FORCEINLINE vfloat operator-(float a, vfloat b) { return {a - b.v}; }
+  friend SHARDKIT_FORCEINLINE vfloat operator*(float a, vfloat b) { return {a * b.v}; }
+  friend SHARDKIT_FORCEINLINE vfloat operator/(float a, vfloat b) { return {a / b.v}; }
+  //! IEEE square root of each lane (two 128-bit halves: SSE is all a target-less function may
+  //! name; the halves cost what one 256-bit square root does on current cores).
+  friend SHARDKIT_FORCEINLINE vfloat sqrt(vfloat a) {
+    const f32x4 lo = __builtin_shufflevector(a.v, a.v, 0, 1, 2, 3);
+    const f32x4 hi = __builtin_shufflevector(a.v, a.v, 4, 5, 6, 7);
+    const f32x4 rl = __builtin_ia32_sqrtps(lo);
+    const f32x4 rh = __builtin_ia32_sqrtps(hi);
+    return {__builtin_shufflevector(rl, rh, 0, 1, 2, 3, 4, 5, 6, 7)};
+  }
+};
+
+template <class T>
+SHARDKIT_FORCEINLINE vfloat load(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    f32x8 v;
+    std::memcpy(&v, p, sizeof v);
+    return {v};
+  } else {
+    static_assert(std::is_same_v<T, bf16>, "simd::wide::load: float or bf16");
+    u16x8 h;
+    std::memcpy(&h, p, sizeof h);
+    const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
+    return {__builtin_bit_cast(f32x8, u)};
+  }
+}
+
+//! Stores 8 floats to fp32 or bf16 (round to nearest even; NaN stays a quiet NaN), bit for bit
+//! as simd::store and float_to_bf16_bits.
+template <class T>
+SHARDKIT_FORCEINLINE void store(T* p, vfloat x) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(p, &x.v, sizeof x.v);
+  } else {
+    static_assert(std::is_same_v<T, bf16>, "simd::wide::store: float or bf16");
+    const u32x8 u = __builtin_bit_cast(u32x8, x.v);
+    const u32x8 rounded = (u + (0x7fffu + ((u >> 16) & 1u))) >> 16;
+    const u32x8 hi = u >> 16;
+    const u32x8 quiet = hi | (__builtin_bit_cast(u32x8, (hi & 0x7fu) == 0u) & 0x40u);
+    const u32x8 nan = __builtin_bit_cast(u32x8, (u & 0x7fffffffu) > 0x7f800000u);
+    const u32x8 r = (rounded & ~nan) | (quiet & nan);
+    const u16x8 h = __builtin_convertvector(r, u16x8);
+    std::memcpy(p, &h, sizeof h);
+  }
+}
+
+//! The first n < 8 elements; the other lanes read as zero.
+template <class T>
+SHARDKIT_FORCEINLINE vfloat load_partial(const T* p, std::size_t n) {
+  T tmp[width] = {};
+  std::memcpy(tmp, p, n * sizeof(T));
+  return load(tmp);
+}
+
+template <class T>
+SHARDKIT_FORCEINLINE void store_partial(T* p, vfloat x, std::size_t n) {
+  T tmp[width];
+  store(tmp, x);
+  std::memcpy(p, tmp, n * sizeof(T));
+}
+}  // namespace simd::wide
+#endif
+
 //! Name of the build dispatch() runs on this CPU: "avx2" or "baseline". (Translation units
 //! built with the one-lane stand-in, SHARDKIT_HOST_SCALAR_SIMD, run that whatever this says.)
 inline const char* host_isa() noexcept {

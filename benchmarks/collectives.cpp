@@ -1,0 +1,161 @@
+// Collectives of the thread communicator (comm/thread.hpp): N ranks as threads of one process,
+// against a lower bound made of memcpy in the same binary.
+//
+//  collectives/<op>/ranks:N/bytes:B   op = all_reduce, reduce_scatter, all_gather; fp32 sum,
+//                                     out of place; B is the full array (nccl-tests: the
+//                                     all-reduce buffer, the reduce-scatter input, the
+//                                     all-gather output)
+//  collectives/bound_<op>/ranks:N/bytes:B
+//                                     baseline: every rank memcpys, at the same time, the least
+//                                     traffic the op needs of it in shared memory:
+//                                       all-reduce:      read B (its slice of every input),
+//                                                        write B (its reduced slice into every
+//                                                        output) = a memcpy of B
+//                                       all-gather:      read B, write B = a memcpy of B
+//                                       reduce-scatter:  read B, write B/N = a memcpy of
+//                                                        (B + B/N) / 2
+//
+// Counters: algbw = B / time and busbw = algbw x factor (2(N-1)/N for all-reduce, (N-1)/N for
+// reduce-scatter and all-gather), both in bytes/s, as nccl-tests defines them (FACTS.md). Each
+// iteration starts the N rank threads together and waits for all of them (the time is rank 0's
+// wall clock); ranks are persistent threads, as in training.
+#include <shardkit/comm/thread.hpp>
+
+#include "common.hpp"
+
+#include <cstddef>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+enum class op { all_reduce, reduce_scatter, all_gather };
+
+const char* name_of(op o) {
+  switch (o) {
+    case op::all_reduce:
+      return "all_reduce";
+    case op::reduce_scatter:
+      return "reduce_scatter";
+    case op::all_gather:
+      return "all_gather";
+  }
+  return "?";
+}
+
+double bus_factor(op o, int n) {
+  const double N = n;
+  return o == op::all_reduce ? 2.0 * (N - 1) / N : (N - 1) / N;
+}
+
+//! Per-rank input and output buffers of `bytes` each, kept between benchmarks (grown as sizes
+//! grow, rebuilt when the number of ranks changes).
+struct buffers {
+  int ranks = 0;
+  std::size_t bytes = 0;
+  std::vector<bench::array<float>> in, out;
+
+  void ensure(int n, std::size_t b) {
+    if (n == ranks && b <= bytes) return;
+    in.clear();
+    out.clear();
+    for (int r = 0; r < n; ++r) {
+      in.push_back(bench::make_array<float>(b / sizeof(float)));
+      out.push_back(bench::make_array<float>(b / sizeof(float)));
+      std::fill_n(in.back().data(), b / sizeof(float), 1.0f + static_cast<float>(r));
+    }
+    ranks = n;
+    bytes = b;
+  }
+};
+
+buffers& the_buffers() {
+  static buffers b;
+  return b;
+}
+
+void counters(benchmark::State& state, op o, int n, std::size_t bytes) {
+  // algbw/busbw as rates: Google Benchmark divides them by the time of one iteration.
+  state.counters["algbw"] =
+      benchmark::Counter(static_cast<double>(bytes), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["busbw"] = benchmark::Counter(static_cast<double>(bytes) * bus_factor(o, n),
+                                               benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["ranks"] = n;
+  state.counters["size"] = static_cast<double>(bytes);
+}
+
+void bm_collective(benchmark::State& state, op o, int n, std::size_t bytes) {
+  buffers& buf = the_buffers();
+  buf.ensure(n, bytes);
+  auto group =
+      std::make_shared<shardkit::detail::thread_group_state>(n, shardkit::thread_comm_options{});
+  std::vector<shardkit::thread_comm> comms;
+  for (int r = 0; r < n; ++r) comms.emplace_back(group, r);
+  const std::size_t elems = bytes / sizeof(float);
+  const std::size_t per_rank = elems / static_cast<std::size_t>(n);
+  bench::team team(n);
+  const std::function<void(int)> job = [&](int r) {
+    auto& c = comms[static_cast<std::size_t>(r)];
+    float* in = buf.in[static_cast<std::size_t>(r)].data();
+    float* out = buf.out[static_cast<std::size_t>(r)].data();
+    switch (o) {
+      case op::all_reduce:
+        c.all_reduce(in, out, elems, shardkit::reduce_op::sum);
+        break;
+      case op::reduce_scatter:
+        c.reduce_scatter(in, out, per_rank, shardkit::reduce_op::sum);
+        break;
+      case op::all_gather:
+        c.all_gather(in, out, per_rank);
+        break;
+    }
+  };
+  for (auto _ : state) team.run(job);
+  counters(state, o, n, bytes);
+  state.counters["bytes"] = static_cast<double>(bytes);
+}
+
+std::size_t bound_copy_bytes(op o, int n, std::size_t bytes) {
+  return o == op::reduce_scatter ? (bytes + bytes / static_cast<std::size_t>(n)) / 2 : bytes;
+}
+
+void bm_bound(benchmark::State& state, op o, int n, std::size_t bytes) {
+  buffers& buf = the_buffers();
+  buf.ensure(n, bytes);
+  const std::size_t copy = bound_copy_bytes(o, n, bytes);
+  bench::team team(n);
+  const std::function<void(int)> job = [&](int r) {
+    std::memcpy(buf.out[static_cast<std::size_t>(r)].data(),
+                buf.in[static_cast<std::size_t>(r)].data(), copy);
+  };
+  for (auto _ : state) team.run(job);
+  counters(state, o, n, bytes);
+  state.counters["bytes"] = static_cast<double>(bytes);
+}
+
+void register_all(bench::size_set s) {
+  const auto sizes = s == bench::size_set::tiny    ? std::vector<std::size_t>{4 << 10}
+                     : s == bench::size_set::quick ? bench::geometric(4 << 10, 16 << 20, 16)
+                                                   : bench::geometric(4 << 10, 256 << 20, 4);
+  for (int n : {2, 4}) {
+    for (std::size_t b : sizes) {
+      for (op o : {op::all_reduce, op::reduce_scatter, op::all_gather}) {
+        const std::string tail = "/ranks:" + std::to_string(n) + "/bytes:" + std::to_string(b);
+        benchmark::RegisterBenchmark(("collectives/" + std::string(name_of(o)) + tail).c_str(),
+                                     bm_collective, o, n, b)
+            ->UseRealTime()
+            ->Unit(benchmark::kMicrosecond);
+        benchmark::RegisterBenchmark(
+            ("collectives/bound_" + std::string(name_of(o)) + tail).c_str(), bm_bound, o, n, b)
+            ->UseRealTime()
+            ->Unit(benchmark::kMicrosecond);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+SHARDKIT_BENCH_MAIN(register_all)

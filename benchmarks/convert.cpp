@@ -1,0 +1,144 @@
+// Flatten/pad and casts on the host, against memcpy of the same bytes.
+//
+//  convert/flatten_bf16      a model's bf16 gradients (uneven sizes, transformer-like) copied
+//                            into the flat buffer of core/layout.hpp (4 ranks, 64-element
+//                            alignment) with host::convert, and the padding zeroed: what an
+//                            engine does with each gradient a framework hands over
+//  convert/flatten_f32_bf16  the same from fp32 gradients (flatten and cast in one pass)
+//  convert/cast_<from>_<to>  host::convert between fp32, bf16 and fp16 over one array
+//  convert/memcpy            baseline: memcpy of half the traffic (so the same bytes move)
+//
+// `bytes` (and bytes_per_second) count the traffic: bytes read plus bytes written. Each
+// operation is compared with the memcpy run of the same `bytes`.
+#include <shardkit/core/dtype.hpp>
+#include <shardkit/core/layout.hpp>
+#include <shardkit/kernels/host/convert.hpp>
+
+#include "common.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace {
+
+using shardkit::bf16;
+using shardkit::fp16;
+
+template <class T>
+void fill(T* p, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    p[i] = shardkit::from_float<T>(1e-3f * (static_cast<float>(i % 97) - 48.0f));
+  }
+}
+
+//! Parameter sizes of `layers` transformer-like layers of width d: qkv, its bias, output
+//! projection, its bias, MLP up, its bias, MLP down, its bias, two norm weights.
+std::vector<std::size_t> model_sizes(std::size_t target_elems) {
+  const std::size_t layers = 4;
+  const auto d = static_cast<std::size_t>(
+      std::max(8.0, std::sqrt(static_cast<double>(target_elems) / (12.0 * layers))));
+  std::vector<std::size_t> s;
+  for (std::size_t l = 0; l < layers; ++l) {
+    for (std::size_t x : {3 * d * d, 3 * d, d * d, d, 4 * d * d, 4 * d, 4 * d * d, d, d, d}) {
+      s.push_back(x);
+    }
+  }
+  return s;
+}
+
+struct flatten_case {
+  std::vector<std::size_t> sizes;
+  shardkit::flat_layout layout;
+  std::size_t numel = 0;
+  explicit flatten_case(std::size_t target) : sizes(model_sizes(target)), layout(sizes, {}, 4, 64) {
+    for (auto x : sizes) numel += x;
+  }
+  std::size_t padded() const { return layout.padded_numel(); }
+  template <class S>
+  double traffic() const {
+    return static_cast<double>(numel * sizeof(S) + padded() * sizeof(bf16));
+  }
+};
+
+template <class S>
+void bm_flatten(benchmark::State& state, std::size_t target) {
+  const flatten_case fc(target);
+  std::vector<bench::array<S>> grads;
+  for (auto n : fc.sizes) {
+    grads.push_back(bench::make_array<S>(n));
+    fill(grads.back().data(), n);
+  }
+  auto flat = bench::make_array<bf16>(fc.padded());
+  for (auto _ : state) {
+    for (std::size_t i = 0; i < fc.sizes.size(); ++i) {
+      shardkit::host::convert(grads[i].data(), flat.data() + fc.layout.param(i).offset,
+                              fc.sizes[i]);
+    }
+    for (const auto& g : fc.layout.groups()) {
+      std::fill(flat.data() + g.offset + g.numel, flat.data() + g.offset + g.padded, bf16{});
+    }
+    benchmark::ClobberMemory();
+  }
+  bench::set_bytes(state, fc.traffic<S>());
+  state.counters["elements"] = static_cast<double>(fc.numel);
+}
+
+template <class S, class D>
+void bm_cast(benchmark::State& state, std::size_t n) {
+  auto in = bench::make_array<S>(n);
+  auto out = bench::make_array<D>(n);
+  fill(in.data(), n);
+  for (auto _ : state) {
+    shardkit::host::convert(in.data(), out.data(), n);
+    benchmark::ClobberMemory();
+  }
+  bench::set_bytes(state, static_cast<double>(n * (sizeof(S) + sizeof(D))));
+  state.counters["elements"] = static_cast<double>(n);
+}
+
+void bm_memcpy(benchmark::State& state, std::size_t traffic) {
+  const std::size_t bytes = traffic / 2;
+  auto src = bench::make_array<std::byte>(bytes);
+  auto dst = bench::make_array<std::byte>(bytes);
+  std::memset(src.data(), 1, bytes);
+  for (auto _ : state) {
+    std::memcpy(dst.data(), src.data(), bytes);
+    benchmark::ClobberMemory();
+  }
+  bench::set_bytes(state, static_cast<double>(2 * bytes));
+}
+
+void register_all(bench::size_set s) {
+  const auto sizes = s == bench::size_set::tiny    ? std::vector<std::size_t>{1 << 12}
+                     : s == bench::size_set::quick ? bench::geometric(1 << 20, 16 << 20, 16)
+                                                   : bench::geometric(1 << 20, 64 << 20, 4);
+  std::set<std::size_t> traffic;  // memcpy baselines needed
+  auto reg = [](const std::string& name, auto fn, auto arg) {
+    benchmark::RegisterBenchmark(name.c_str(), fn, arg)
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+  };
+  for (std::size_t n : sizes) {
+    const std::string tail = "/n:" + std::to_string(n);
+    const flatten_case fc(n);
+    reg("convert/flatten_bf16" + tail, bm_flatten<bf16>, n);
+    reg("convert/flatten_f32_bf16" + tail, bm_flatten<float>, n);
+    traffic.insert(static_cast<std::size_t>(fc.traffic<bf16>()) & ~std::size_t{1});
+    traffic.insert(static_cast<std::size_t>(fc.traffic<float>()) & ~std::size_t{1});
+    reg("convert/cast_f32_bf16" + tail, bm_cast<float, bf16>, n);
+    reg("convert/cast_bf16_f32" + tail, bm_cast<bf16, float>, n);
+    reg("convert/cast_f32_f16" + tail, bm_cast<float, fp16>, n);
+    reg("convert/cast_f16_f32" + tail, bm_cast<fp16, float>, n);
+    traffic.insert(6 * n);
+  }
+  for (std::size_t t : traffic) reg("convert/memcpy/bytes:" + std::to_string(t), bm_memcpy, t);
+}
+
+}  // namespace
+
+SHARDKIT_BENCH_MAIN(register_all)

@@ -1,0 +1,370 @@
+#!/usr/bin/python3
+"""Turns the Google Benchmark JSON of shardkit's suites into the results page: ratios against
+the baseline measured in the same binary and run (medians of the repetitions), a Markdown
+summary, and PNG plots (matplotlib).
+
+Usage: scripts/bench_report.py RESULTS_DIR [--readme benchmarks/README.md]
+RESULTS_DIR holds <suite>.json (optimizer, convert, collectives, engine) and meta.txt; the
+summary goes to RESULTS_DIR/summary.md and the plots to RESULTS_DIR/*.png. With --readme, the
+part of that file between the bench:begin and bench:end markers is replaced by the summary.
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+
+UNIT = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def load(path):
+    """Median rows of one suite: {name without /real_time: row}, row['t'] in seconds. Uses the
+    median aggregates when present, else the median of the single runs."""
+    with open(path) as f:
+        data = json.load(f)
+    runs = {}
+    medians = {}
+    cv = {}
+    for b in data.get("benchmarks", []):
+        name = b.get("run_name", b["name"]).replace("/real_time", "")
+        row = dict(b)
+        row["t"] = b["real_time"] * UNIT[b.get("time_unit", "ns")]
+        agg = b.get("aggregate_name") if b.get("run_type") == "aggregate" else None
+        if agg == "median":
+            medians[name] = row
+        elif agg == "cv":
+            cv[name] = b["real_time"]  # a fraction
+        elif agg is None:
+            runs.setdefault(name, []).append(row)
+    rows = dict(medians)
+    for name, rs in runs.items():
+        if name not in rows:
+            rs = sorted(rs, key=lambda r: r["t"])
+            rows[name] = rs[len(rs) // 2]
+    for name, row in rows.items():
+        row["cv"] = cv.get(name)
+    return data.get("context", {}), rows
+
+
+def parse(name):
+    parts = name.split("/")
+    keys = {}
+    for p in parts[2:]:
+        k, _, v = p.partition(":")
+        keys[k] = v
+    return parts[0], parts[1], keys
+
+
+def fmt_bytes(b):
+    b = float(b)
+    for unit, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= f:
+            return f"{b / f:g} {unit}" if (b / f) >= 10 else f"{b / f:.3g} {unit}"
+    return f"{b:g} B"
+
+
+def fmt_size(n):
+    n = int(n)
+    for unit, f in (("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
+        if n >= f and n % f == 0:
+            return f"{n // f}{unit}"
+    return str(n)
+
+
+def gbs(x):
+    return f"{x / 1e9:.2f}"
+
+
+def ratio(x):
+    return f"{x:.2f}×" if x is not None else "–"
+
+
+def plt_or_none():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        return plt
+    except ImportError:
+        print("bench_report: matplotlib not found (Debian: python3-matplotlib); no plots",
+              file=sys.stderr)
+        return None
+
+
+# ---- optimizer ------------------------------------------------------------------------------
+def optimizer(rows, out, plt, targets):
+    by = {}
+    for name, r in rows.items():
+        _, what, k = parse(name)
+        by[(int(k["n"]), int(k["threads"]), what)] = r
+    sizes = sorted({k[0] for k in by})
+    threads = sorted({k[1] for k in by})
+    md = ["### Optimizer step (host)", "",
+          "Bandwidth counts 28 bytes per element for every column (GB/s, medians); ratios are of "
+          "times in the same run: roofline = `rmw` (one read-modify-write pass over the same "
+          "bytes), naive = the five-pass scalar loop.", "",
+          "| elements | threads | fused bf16 | fused fp32 | rmw (roofline) | memcpy | naive | "
+          "bf16 / roofline | fp32 / roofline | bf16 vs naive |",
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    roof, naive = [], []
+    for n in sizes:
+        for t in threads:
+            g = {w: by.get((n, t, w)) for w in ("adamw_bf16", "adamw_fp32", "rmw", "memcpy",
+                                                  "naive_adam")}
+            if not all(g.values()):
+                continue
+            bw = {w: r["bytes_per_second"] for w, r in g.items()}
+            rb = g["rmw"]["t"] / g["adamw_bf16"]["t"]
+            rf = g["rmw"]["t"] / g["adamw_fp32"]["t"]
+            rn = g["naive_adam"]["t"] / g["adamw_bf16"]["t"]
+            roof.append((n, t, rb, rf))
+            naive.append((n, t, rn))
+            md.append(f"| {fmt_size(n)} | {t} | {gbs(bw['adamw_bf16'])} | {gbs(bw['adamw_fp32'])} | "
+                      f"{gbs(bw['rmw'])} | {gbs(bw['memcpy'])} | {gbs(bw['naive_adam'])} | "
+                      f"{ratio(rb)} | {ratio(rf)} | {ratio(rn)} |")
+    if roof:
+        big = [x for x in roof if x[0] >= (16 << 20)] or roof
+        for col, label in ((2, "bf16 grads, bf16 copy out"), (3, "all fp32")):
+            for t in threads:
+                xs = [x[col] for x in big if x[1] == t]
+                if not xs:
+                    continue
+                med = statistics.median(xs)
+                targets.append((f"Fused AdamW ({label}, {t} thread{'s' if t > 1 else ''}) ≥ 0.75× "
+                                "the read-modify-write roofline",
+                                f"{min(xs):.2f}–{max(xs):.2f}× (median {med:.2f}×) over sizes "
+                                f"≥ {fmt_size(big[0][0])} elements", med >= 0.75))
+        ns = [x[2] for x in naive]
+        targets.append(("Fused AdamW ≥ 2.5× the naive scalar loop",
+                        f"{min(ns):.1f}–{max(ns):.1f}× (median {statistics.median(ns):.1f}×)",
+                        statistics.median(ns) >= 2.5))
+    if plt and sizes:
+        fig, axes = plt.subplots(1, len(threads), figsize=(6 * len(threads), 4.2), squeeze=False)
+        for ax, t in zip(axes[0], threads):
+            for w, style in (("adamw_bf16", "o-"), ("adamw_fp32", "s-"), ("rmw", "k--"),
+                             ("memcpy", "k:"), ("naive_adam", "x-")):
+                xs = [n for n in sizes if (n, t, w) in by]
+                ax.plot(xs, [by[(n, t, w)]["bytes_per_second"] / 1e9 for n in xs], style,
+                        label=w + (" (roofline)" if w == "rmw" else ""))
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("elements")
+            ax.set_ylabel("GB/s (28 bytes/element)")
+            ax.set_title(f"optimizer step, {t} thread(s)")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "optimizer.png"), dpi=90)
+        plt.close(fig)
+        md += ["", "![optimizer step bandwidth](results/optimizer.png)"]
+    return md
+
+
+# ---- convert --------------------------------------------------------------------------------
+def convert(rows, out, plt, targets):
+    memcpy = {}
+    ops = {}
+    for name, r in rows.items():
+        _, what, k = parse(name)
+        if what == "memcpy":
+            memcpy[int(k["bytes"])] = r
+        else:
+            ops.setdefault(what, {})[int(k["n"])] = r
+    md = ["### Flatten/pad and casts", "",
+          "Traffic = bytes read + bytes written; each operation against memcpy moving the same "
+          "traffic, same run.", "",
+          "| operation | elements | traffic | GB/s | memcpy GB/s | ratio to memcpy |",
+          "|---|---:|---:|---:|---:|---:|"]
+    flat = {}
+    for op in sorted(ops):
+        for n in sorted(ops[op]):
+            r = ops[op][n]
+            m = memcpy.get(int(r["bytes"]))
+            q = m["t"] / r["t"] if m else None
+            if op.startswith("flatten") and q is not None:
+                flat.setdefault(op, []).append(q)
+            md.append(f"| {op} | {int(r['elements'])} | {fmt_bytes(r['bytes'])} | "
+                      f"{gbs(r['bytes_per_second'])} | "
+                      f"{gbs(m['bytes_per_second']) if m else '–'} | {ratio(q)} |")
+    for op, qs in sorted(flat.items()):
+        what = "bf16 → bf16" if op == "flatten_bf16" else "fp32 → bf16, with the cast"
+        targets.append((f"Flatten/pad ({what}) ≥ 0.8× memcpy",
+                        f"{min(qs):.2f}–{max(qs):.2f}× (median {statistics.median(qs):.2f}×) "
+                        "over all sizes", statistics.median(qs) >= 0.8))
+    if plt and ops:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for op in sorted(ops):
+            xs = sorted(ops[op])
+            ax.plot([ops[op][n]["bytes"] for n in xs],
+                    [ops[op][n]["bytes_per_second"] / 1e9 for n in xs], "o-", label=op)
+        xs = sorted(memcpy)
+        ax.plot(xs, [memcpy[b]["bytes_per_second"] / 1e9 for b in xs], "k--", label="memcpy")
+        ax.set_xscale("log")
+        ax.set_xlabel("traffic per call (bytes read + written)")
+        ax.set_ylabel("GB/s")
+        ax.set_title("flatten/pad and casts against memcpy")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "convert.png"), dpi=90)
+        plt.close(fig)
+        md += ["", "![flatten and cast bandwidth](results/convert.png)"]
+    return md
+
+
+# ---- collectives ----------------------------------------------------------------------------
+def collectives(rows, out, plt, targets):
+    by = {}
+    for name, r in rows.items():
+        _, what, k = parse(name)
+        by[(what, int(k["ranks"]), int(k["bytes"]))] = r
+    ops = ["all_reduce", "reduce_scatter", "all_gather"]
+    ranks = sorted({k[1] for k in by})
+    sizes = sorted({k[2] for k in by})
+    md = ["### Thread-communicator collectives", "",
+          "fp32 sum, out of place; size = the full array (nccl-tests). busbw in GB/s (median); "
+          "ratio = time / time of the memcpy lower bound (every rank copying, at the same time, "
+          "the least traffic the collective needs of it), same run.", ""]
+    big = {o: [] for o in ops}
+    for n in ranks:
+        md += [f"N = {n}:", "",
+               "| size | " + " | ".join(f"{o} busbw | {o} / bound" for o in ops) + " |",
+               "|---:|" + "---:|---:|" * len(ops)]
+        for b in sizes:
+            cells = []
+            for o in ops:
+                r, lb = by.get((o, n, b)), by.get(("bound_" + o, n, b))
+                if not r or not lb:
+                    cells += ["–", "–"]
+                    continue
+                q = r["t"] / lb["t"]
+                if b >= (1 << 20):
+                    big[o].append(q)
+                cells += [gbs(r["busbw"]), ratio(q)]
+            md.append(f"| {fmt_bytes(b)} | " + " | ".join(cells) + " |")
+        md.append("")
+    for o in ops:
+        if big[o]:
+            targets.append((f"Thread {o} ≤ 1.3× the memcpy lower bound (≥ 1 MB)",
+                            f"{min(big[o]):.2f}–{max(big[o]):.2f}× (median "
+                            f"{statistics.median(big[o]):.2f}×)",
+                            statistics.median(big[o]) <= 1.3))
+    if plt and by:
+        fig, axes = plt.subplots(1, len(ranks), figsize=(6 * len(ranks), 4.2), squeeze=False)
+        for ax, n in zip(axes[0], ranks):
+            for i, o in enumerate(ops):
+                c = f"C{i}"
+                xs = [b for b in sizes if (o, n, b) in by]
+                ax.plot(xs, [by[(o, n, b)]["busbw"] / 1e9 for b in xs], "o-", color=c, label=o)
+                xs = [b for b in sizes if ("bound_" + o, n, b) in by]
+                ax.plot(xs, [by[("bound_" + o, n, b)]["busbw"] / 1e9 for b in xs], "--", color=c,
+                        label=o + " memcpy bound")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("bytes (full array)")
+            ax.set_ylabel("busbw GB/s")
+            ax.set_title(f"thread communicator, N = {n}")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "collectives.png"), dpi=90)
+        plt.close(fig)
+        md += ["![collective bus bandwidth](results/collectives.png)"]
+    return md
+
+
+# ---- engine ---------------------------------------------------------------------------------
+def engine(rows, out, plt, targets):
+    st = {}
+    for name, r in rows.items():
+        _, _, k = parse(name)
+        st[int(k["stage"])] = r
+    if 0 not in st:
+        return []
+    base = st[0]["t"]
+    params = int(st[0]["params"])
+    md = ["### Engine step", "",
+          f"One full step (hooks, grad_ready of every gradient, step()) of {params:,} bf16 "
+          "parameters (8 units of a d×d weight and a bias), AdamW, N = 4 thread ranks; median "
+          "time and ratio to stage 0, same run.", "",
+          "| stage | step time (ms) | / stage 0 | bytes sent by rank 0 |",
+          "|---:|---:|---:|---:|"]
+    for s in sorted(st):
+        md.append(f"| {s} | {st[s]['t'] * 1e3:.2f} | {ratio(st[s]['t'] / base)} | "
+                  f"{int(st[s]['sent']):,} |")
+    for s, lim in ((1, 1.1), (2, 1.1), (3, 1.3)):
+        if s in st:
+            q = st[s]["t"] / base
+            targets.append((f"Stage {s} step ≤ {lim}× stage 0", f"{q:.2f}×", q <= lim))
+    if plt:
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        ss = sorted(st)
+        ax.bar([str(s) for s in ss], [st[s]["t"] * 1e3 for s in ss], color="C0")
+        for s in ss:
+            ax.annotate(f"{st[s]['t'] / base:.2f}×", (str(s), st[s]["t"] * 1e3), ha="center",
+                        va="bottom", fontsize=9)
+        ax.set_xlabel("ZeRO stage")
+        ax.set_ylabel("step time (ms)")
+        ax.set_title(f"engine step, N = 4, {params / 1e6:.1f}M params")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "engine.png"), dpi=90)
+        plt.close(fig)
+        md += ["", "![engine step time by stage](results/engine.png)"]
+    return md
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("results")
+    ap.add_argument("--readme")
+    a = ap.parse_args()
+    plt = plt_or_none()
+    targets = []
+    sections = []
+    context = {}
+    for suite, fn in (("optimizer", optimizer), ("convert", convert),
+                      ("collectives", collectives), ("engine", engine)):
+        path = os.path.join(a.results, suite + ".json")
+        if not os.path.exists(path):
+            continue
+        ctx, rows = load(path)
+        context = context or ctx
+        sections.append(fn(rows, a.results, plt, targets))
+    meta = ""
+    mp = os.path.join(a.results, "meta.txt")
+    if os.path.exists(mp):
+        meta = open(mp).read().strip()
+    md = ["## Latest results", ""]
+    if meta:
+        md += [meta, ""]
+    if context:
+        md += [f"Google Benchmark context: {context.get('num_cpus')} CPUs at "
+               f"{context.get('mhz_per_cpu')} MHz, host ISA of shardkit's loops: "
+               f"{context.get('shardkit_host_isa', 'see optimizer.json')}, library build "
+               f"{context.get('library_build_type')}.", ""]
+    md += ["### Targets", "", "| target | measured | met |", "|---|---|:---:|"]
+    for name, got, ok in targets:
+        md.append(f"| {name} | {got} | {'yes' if ok else '**no**'} |")
+    md.append("")
+    for s in sections:
+        md += s + [""]
+    text = "\n".join(md).rstrip() + "\n"
+    with open(os.path.join(a.results, "summary.md"), "w") as f:
+        f.write(text)
+    if a.readme:
+        with open(a.readme) as f:
+            readme = f.read()
+        new, k = re.subn(r"<!-- bench:begin -->.*<!-- bench:end -->",
+                         lambda _: "<!-- bench:begin -->\n" + text + "<!-- bench:end -->", readme,
+                         flags=re.S)
+        if k != 1:
+            sys.exit("bench_report: the README has no bench:begin/bench:end markers")
+        with open(a.readme, "w") as f:
+            f.write(new)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
