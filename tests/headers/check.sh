@@ -1,26 +1,37 @@
 #!/usr/bin/env bash
 # Every public header compiles on its own (and twice in a row) with the given compiler,
-# -std=c++20 -Wall -Wextra -Wpedantic -Werror. Usage: check.sh <compiler> <include-dir>
-# [header-to-skip ...]
+# -std=c++20 -Wall -Wextra -Wpedantic -Werror.
+# Usage: check.sh <compiler> <include-dir> [-flag ...] [header-to-skip ...]
+# Arguments that start with '-' are extra compiler flags (e.g. -isystem/usr/include/eigen3 for
+# the adapters); the others are headers (relative to <include-dir>) not to check.
 set -euo pipefail
 cxx=$1
 inc=$2
 shift 2
-skip=" $* "
+skip=" "
+flags=()
+for a in "$@"; do
+  if [[ $a == -* ]]; then flags+=("$a"); else skip+="$a "; fi
+done
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail=0
 count=0
+skipped=0
 while IFS= read -r h; do
   rel=${h#"$inc"/}
-  [[ $skip == *" $rel "* ]] && continue
+  if [[ $skip == *" $rel "* ]]; then
+    skipped=$((skipped + 1))
+    continue
+  fi
   printf '#include <%s>\n#include <%s>\n' "$rel" "$rel" >"$tmp/tu.cpp"
-  if ! "$cxx" -std=c++20 -Wall -Wextra -Wpedantic -Werror -fsyntax-only -I"$inc" "$tmp/tu.cpp" 2>"$tmp/err"; then
+  if ! "$cxx" -std=c++20 -Wall -Wextra -Wpedantic -Werror -fsyntax-only -I"$inc" "${flags[@]}" \
+    "$tmp/tu.cpp" 2>"$tmp/err"; then
     echo "FAILED: $rel"
     head -20 "$tmp/err"
     fail=1
   fi
   count=$((count + 1))
 done < <(find "$inc" -name '*.hpp' | sort)
-echo "$cxx: $count headers checked"
+echo "$cxx: $count headers checked, $skipped skipped (${skip# })"
 exit $fail
