@@ -44,7 +44,7 @@ TEST_CASE("contiguous Eigen objects are tensors, strided expressions are not", "
   REQUIRE(tensor_dtype(Eigen::VectorXd(3)) == dtype::f64);
 }
 
-TEST_CASE("eigen_map aliases the engine's parameters; Eigen gradients go in directly",
+TEST_CASE("eigen_map aliases the engine's parameters, and Eigen gradients go in directly",
           "[eigen][alias]") {
   auto results = run_ranks(2, [](thread_comm& c) -> std::string {
     Eigen::MatrixXf w(2, 3);
