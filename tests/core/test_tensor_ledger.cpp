@@ -27,6 +27,24 @@ struct shardkit::tensor_traits<fw::Tensor> {
   static std::size_t size(const fw::Tensor& t) { return t.n; }
 };
 
+namespace dev {  // a framework tensor that knows its device only at run time (like torch::Tensor)
+struct Tensor {
+  std::vector<float> values;
+  bool on_gpu = false;
+};
+}  // namespace dev
+
+template <>
+struct shardkit::tensor_traits<dev::Tensor> {
+  static shardkit::memory_kind memory(const dev::Tensor& t) {
+    return t.on_gpu ? shardkit::memory_kind::cuda : shardkit::memory_kind::host;
+  }
+  using value_type = float;
+  static float* data(dev::Tensor& t) { return t.values.data(); }
+  static const float* data(const dev::Tensor& t) { return t.values.data(); }
+  static std::size_t size(const dev::Tensor& t) { return t.values.size(); }
+};
+
 using namespace shardkit;
 
 TEST_CASE("standard contiguous ranges are host tensors", "[tensor]") {
@@ -63,6 +81,26 @@ TEST_CASE("a framework tensor adapts through tensor_traits, with a run-time dtyp
   REQUIRE(typed.size() == 4);
   REQUIRE_THROWS_WITH(a.as<float>(), Catch::Contains("bf16") && Catch::Contains("fp32"));
   REQUIRE_THROWS_WITH((a.as<bf16, cuda_space>()), Catch::Contains("host memory viewed as cuda"));
+}
+
+TEST_CASE("a framework tensor may report its memory at run time", "[tensor]") {
+  STATIC_REQUIRE(tensor<dev::Tensor>);
+  STATIC_REQUIRE(tensor<const dev::Tensor&>);
+  // Static element type, but no static memory space: not typed, so view() does not apply.
+  STATIC_REQUIRE(!typed_tensor<dev::Tensor>);
+  dev::Tensor host{{1.0f, 2.0f, 3.0f}, false};
+  dev::Tensor gpu{{1.0f, 2.0f}, true};
+  REQUIRE(tensor_memory(host) == memory_kind::host);
+  REQUIRE(tensor_memory(gpu) == memory_kind::cuda);
+  REQUIRE(tensor_memory(std::vector<float>{}) == memory_kind::host);
+  const any_tensor_view a = erase(gpu);
+  REQUIRE(a.space == memory_kind::cuda);
+  REQUIRE(a.type == dtype::f32);
+  REQUIRE(a.numel == 2);
+  REQUIRE_THROWS_WITH(a.as<float>(), Catch::Contains("cuda memory viewed as host"));
+  REQUIRE(erase(host).as<float>().data() == host.values.data());
+  const dev::Tensor& ch = host;
+  REQUIRE(erase(ch).read_only);
 }
 
 TEST_CASE("tensor_view subviews are bounds-checked", "[tensor]") {

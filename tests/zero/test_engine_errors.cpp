@@ -29,7 +29,24 @@ model_spec small_model(std::vector<std::vector<float>>& storage) {
 template <class P>
 using host_engine = engine<thread_comm, P, bf16, adamw>;
 
+// A framework tensor whose device is known only at run time (tensor_traits::memory).
+struct device_tensor {
+  std::vector<float> values;
+  bool on_gpu = true;
+};
+
 }  // namespace
+
+template <>
+struct shardkit::tensor_traits<device_tensor> {
+  static memory_kind memory(const device_tensor& t) {
+    return t.on_gpu ? memory_kind::cuda : memory_kind::host;
+  }
+  using value_type = float;
+  static float* data(device_tensor& t) { return t.values.data(); }
+  static const float* data(const device_tensor& t) { return t.values.data(); }
+  static std::size_t size(const device_tensor& t) { return t.values.size(); }
+};
 
 TEMPLATE_TEST_CASE("a gradient whose size differs from its parameter is rejected by name",
                    "[engine][errors]", zero0, zero1, zero2) {
@@ -163,6 +180,32 @@ TEST_CASE("model_spec rejects empty units and foreign memory", "[engine][errors]
   }
   std::vector<std::int64_t> ints(3);
   REQUIRE_THROWS_WITH(model_spec{}.add("i", ints), Catch::Contains("int64 elements"));
+}
+
+TEST_CASE("tensors whose device is known at run time are checked by parameter name",
+          "[engine][errors]") {
+  device_tensor w{std::vector<float>(4, 1.0f), true};
+  REQUIRE_THROWS_WITH(model_spec{}.add("w", w),
+                      Catch::Contains("parameter 'w' lives in cuda memory") &&
+                          Catch::Contains("must be in host memory"));
+  for (const auto& msg : errors_per_rank(2, [](thread_comm& c) {
+         std::vector<std::vector<float>> st;
+         host_engine<zero2> e(c, small_model(st));
+         device_tensor g{std::vector<float>(10, 1.0f), true};
+         e.grad_ready(0, g);
+       })) {
+    REQUIRE_THAT(msg, Catch::Contains("gradient of parameter 'fc.weight' is in cuda memory") &&
+                          Catch::Contains("expected host memory"));
+  }
+  // The same type in host memory is an ordinary gradient.
+  auto ok = run_ranks(2, [](thread_comm& c) {
+    std::vector<std::vector<float>> st;
+    host_engine<zero0> e(c, small_model(st));
+    device_tensor g{std::vector<float>(10, 1.0f), false};
+    e.grad_ready(0, g);
+    return static_cast<float>(e.grad(0)[3]);
+  });
+  REQUIRE(ok[0] == 1.0f);
 }
 
 TEST_CASE("broadcast_init gives every rank rank 0's initial values", "[engine]") {

@@ -14,6 +14,11 @@
 //!       static std::size_t size(const my::Tensor& t) { return t.numel(); }
 //!     };
 //!
+//! Frameworks whose tensors carry their device at run time (LibTorch's torch::Tensor, for one)
+//! replace `memory_space` by `static shardkit::memory_kind memory(const my::Tensor& t);`. The
+//! engine then checks the memory of every tensor it is handed at run time, and its error names
+//! the parameter, instead of the adapter having to claim one static space and fail inside data().
+//!
 //! Contiguous standard ranges of element types (std::vector<float>, std::span<bf16>,
 //! std::array<fp16, N>) are host tensors out of the box.
 #pragma once
@@ -30,6 +35,17 @@
 #include <type_traits>
 
 SHARDKIT_NAMESPACE_BEGIN
+
+//! Run-time name of a memory space.
+enum class memory_kind : std::uint8_t { host, cuda };
+
+template <memory_space Space>
+inline constexpr memory_kind memory_kind_of =
+    std::is_same_v<Space, cuda_space> ? memory_kind::cuda : memory_kind::host;
+
+constexpr const char* name(memory_kind k) noexcept {
+  return k == memory_kind::cuda ? "cuda" : "host";
+}
 
 //! Customisation point: specialise for a tensor type (see the file comment). The primary
 //! template is empty, so unadapted types are not tensors.
@@ -64,26 +80,43 @@ template <class T>
 concept has_dynamic_dtype = requires(const std::remove_cvref_t<T>& t) {
   { traits_of<T>::dtype(t) } -> std::same_as<dtype>;
 };
+
+template <class T>
+concept has_static_space = requires {
+  typename traits_of<T>::memory_space;
+}
+&&memory_space<typename traits_of<T>::memory_space>;
+
+template <class T>
+concept has_dynamic_space = requires(const std::remove_cvref_t<T>& t) {
+  { traits_of<T>::memory(t) } -> std::same_as<memory_kind>;
+};
+
+template <class T>
+concept has_space = has_static_space<T> || has_dynamic_space<T>;
+
+template <class T>
+concept has_element_type = has_static_dtype<T> || has_dynamic_dtype<T>;
 }  // namespace detail
 
-//! A type adapted through tensor_traits: a memory space, an element type (static or run-time),
-//! data() and size().
+//! A type adapted through tensor_traits: a memory space (static `memory_space`, or run-time
+//! `memory(t)`, which decides when both are given), an element type (static `value_type`, or
+//! run-time `dtype(t)`), data() and size().
 template <class T>
-concept tensor = requires(T& t, const std::remove_cvref_t<T>& ct) {
-  typename detail::traits_of<T>::memory_space;
-  requires memory_space<typename detail::traits_of<T>::memory_space>;
+concept tensor = detail::has_space<T> && detail::has_element_type<T> &&
+    requires(T& t, const std::remove_cvref_t<T>& ct) {
   {detail::traits_of<T>::data(t)};
   requires std::is_pointer_v<decltype(detail::traits_of<T>::data(t))>;
   { detail::traits_of<T>::size(ct) } -> std::convertible_to<std::size_t>;
-}
-&&(detail::has_static_dtype<T> || detail::has_dynamic_dtype<T>);
+};
 
-//! A tensor whose element type is known at compile time.
+//! A tensor whose element type and memory space are known at compile time.
 template <class T>
-concept typed_tensor = tensor<T> && detail::has_static_dtype<T>;
+concept typed_tensor = tensor<T> && detail::has_static_dtype<T> && detail::has_static_space<T>;
 
-//! The memory space of a tensor type.
+//! The memory space of a tensor type (one with a static memory space).
 template <tensor T>
+requires detail::has_static_space<T>
 using tensor_space_t = typename detail::traits_of<T>::memory_space;
 
 //! Pointer to the first element.
@@ -96,6 +129,17 @@ auto* tensor_data(T& t) {
 template <tensor T>
 std::size_t tensor_numel(const T& t) {
   return static_cast<std::size_t>(detail::traits_of<T>::size(t));
+}
+
+//! Memory the tensor's elements live in, known statically or read from the tensor.
+template <tensor T>
+memory_kind tensor_memory(const T& t) {
+  if constexpr (detail::has_dynamic_space<T>) {
+    return detail::traits_of<T>::memory(t);
+  } else {
+    (void)t;
+    return memory_kind_of<tensor_space_t<T>>;
+  }
 }
 
 //! Element type, known statically or read from the tensor.
@@ -158,17 +202,6 @@ struct tensor_traits<tensor_view<T, Space>> {
   static std::size_t size(const tensor_view<T, Space>& v) { return v.size(); }
 };
 
-//! Run-time name of a memory space.
-enum class memory_kind : std::uint8_t { host, cuda };
-
-template <memory_space Space>
-inline constexpr memory_kind memory_kind_of =
-    std::is_same_v<Space, cuda_space> ? memory_kind::cuda : memory_kind::host;
-
-constexpr const char* name(memory_kind k) noexcept {
-  return k == memory_kind::cuda ? "cuda" : "host";
-}
-
 //! A type-erased view of any tensor: pointer, element type, count, memory kind. Used where a
 //! framework hands shardkit tensors whose element type is known only at run time.
 struct any_tensor_view {
@@ -196,13 +229,16 @@ struct any_tensor_view {
   }
 };
 
-//! Erases the static type of a tensor.
+//! Erases the static type of a tensor. The memory kind and element type are read before data(),
+//! so an adapter can leave device and dtype errors to the caller's checks.
 template <tensor T>
 any_tensor_view erase(T& t) {
+  const memory_kind space = tensor_memory(t);
+  const dtype type = tensor_dtype(t);
   auto* p = tensor_data(t);
   using P = std::remove_pointer_t<decltype(p)>;
-  return any_tensor_view{const_cast<std::remove_const_t<P>*>(p), tensor_dtype(t), tensor_numel(t),
-                         memory_kind_of<tensor_space_t<T>>, std::is_const_v<P>};
+  return any_tensor_view{const_cast<std::remove_const_t<P>*>(p), type, tensor_numel(t), space,
+                         std::is_const_v<P>};
 }
 
 //! A typed view of a tensor whose element type is static.
