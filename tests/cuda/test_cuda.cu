@@ -1341,4 +1341,45 @@ TEST_CASE("NCCL bootstrap composes with any host communicator that broadcasts by
   REQUIRE_THROWS_AS(nccl_communicator(id, 1, 1), invalid_argument);
 }
 
+// The engine over NCCL (one rank per GPU; one rank on a one-GPU machine), deterministic
+// reductions: equal to the host engine bit for bit, ZeRO-0 to ZeRO-3.
+template <class Policies, class W>
+void check_engine_on_nccl(const test::engine_case& ec) {
+  const int n = nccl_ranks();
+  CAPTURE(n, Policies::stage, sizeof(W));
+  const auto host = test::host_engine_reference(Policies::stage, !std::is_same_v<W, float>, n, ec);
+  std::vector<test::engine_run> dev(static_cast<std::size_t>(n));
+  test::require_all_ok(on_nccl_ranks([&](nccl_communicator& c, thread_comm& h) -> std::string {
+    device_io io;
+    dev[static_cast<std::size_t>(h.rank())] = test::train_engine<Policies, W>(c, ec, io);
+    return {};
+  }));
+  REQUIRE(host.size() == dev.size());
+  for (std::size_t r = 0; r < host.size(); ++r) {
+    CAPTURE(r);
+    REQUIRE(host[r].failure == "");
+    REQUIRE(dev[r].failure == "");
+    CHECK(dev[r].reports == host[r].reports);
+    CHECK(dev[r].params == host[r].params);
+    CHECK(dev[r].master == host[r].master);
+    CHECK(dev[r].states == host[r].states);
+    CHECK(dev[r].ledger == host[r].ledger);
+  }
+}
+
+TEST_CASE("engine on NCCL, stages 0-3: equal to the host engine bit for bit", "[nccl]") {
+  test::engine_case ec;
+  ec.micro_batches = 2;
+  ec.inject_inf_step = 2;
+  ec.options.report_grad_norm = true;
+  ec.options.clip_grad_norm = 0.05f;
+  ec.options.bucket_elems = 64;
+  ec.options.grad_buffers = 2;
+  check_engine_on_nccl<zero0, bf16>(ec);
+  check_engine_on_nccl<zero1, bf16>(ec);
+  check_engine_on_nccl<zero2, bf16>(ec);
+  check_engine_on_nccl<zero3, bf16>(ec);
+  check_engine_on_nccl<zero2, float>(ec);
+}
+
 #endif  // SHARDKIT_TEST_NCCL
