@@ -478,10 +478,12 @@ class engine {
     return {grads_.data() + p.offset, p.numel};
   }
 
-  //! Hands over the gradient of parameter i (fp32, bf16 or fp16, host memory, same size as the
-  //! parameter). The first gradient of a parameter in a step is copied, later ones (micro-
-  //! batches) are added. ZeRO-2/3 reduce-scatter a bucket (unit) as soon as all its parameters
-  //! have their gradient. ZeRO-3: only between the unit's pre_backward and post_backward.
+  //! Hands over the gradient of parameter i (fp32, bf16 or fp16, in the engine's memory space:
+  //! host memory, or device memory for a device engine, whose work on it is enqueued on the
+  //! compute stream; same size as the parameter). The first gradient of a parameter in a step is
+  //! copied, later ones (micro- batches) are added. ZeRO-2/3 reduce-scatter a bucket (unit) as soon
+  //! as all its parameters have their gradient. ZeRO-3: only between the unit's pre_backward and
+  //! post_backward.
   template <tensor G>
   void grad_ready(std::size_t i, const G& grad) {
     check_index(i, "grad_ready");
@@ -532,8 +534,9 @@ class engine {
     }
   }
 
-  //! Copies the working values of parameter i into `out` (any fp32/bf16/fp16 host tensor of
-  //! the parameter's size), for frameworks whose tensors cannot alias the engine's buffers.
+  //! Copies the working values of parameter i into `out` (any fp32/bf16/fp16 tensor of the
+  //! parameter's size in the engine's memory space; on a device, enqueued on the compute
+  //! stream), for frameworks whose tensors cannot alias the engine's buffers.
   //! ZeRO-3: only while the parameter's unit is gathered.
   template <tensor T>
   void copy_param_to(std::size_t i, T& out) const {
