@@ -1,7 +1,8 @@
 //! \file cuda.cuh
 //! The CUDA umbrella header: shardkit.hpp plus device memory, the CUDA kernels and the thread
-//! communicator on device memory. Include from CUDA translation units (nvcc); link
-//! shardkit::cuda. The NCCL communicator is comm/nccl.cuh (link shardkit::nccl).
+//! communicator on device memory and the engine on it (zero/engine_cuda.cuh). Include from CUDA
+//! translation units (nvcc); link shardkit::cuda. The NCCL communicator is comm/nccl.cuh (link
+//! shardkit::nccl).
 #pragma once
 
 #include <shardkit/comm/thread_cuda.cuh>
@@ -15,3 +16,4 @@
 #include <shardkit/kernels/cuda/optimizer.cuh>
 #include <shardkit/kernels/cuda/reduce.cuh>
 #include <shardkit/shardkit.hpp>
+#include <shardkit/zero/engine_cuda.cuh>

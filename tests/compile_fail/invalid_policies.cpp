@@ -18,6 +18,11 @@ void use(thread_comm& c, const model_spec& m) {
 #elif defined(SHARDKIT_BREAK_GRAD_VIEW_IN_ZERO2)
   engine<thread_comm, zero2> e(c, m);
   (void)e.grad(0);
+#elif defined(SHARDKIT_BREAK_DEVICE_ENGINE_WITHOUT_CUDA_HEADER)
+  (void)c;
+  using device_comm = thread_communicator<cuda_space>;
+  engine<device_comm, zero2>* e = nullptr;
+  (void)sizeof(*e);
 #else
   engine<thread_comm, policies<ShardGrads, ShardOptimizer>> e(c, m);  // order does not matter
   static_assert(decltype(e)::stage == 2);

@@ -40,6 +40,7 @@
 #include <shardkit/comm/communicator.hpp>
 #include <shardkit/comm/volume.hpp>
 #include <shardkit/config.hpp>
+#include <shardkit/core/device.hpp>
 #include <shardkit/core/dtype.hpp>
 #include <shardkit/core/error.hpp>
 #include <shardkit/core/layout.hpp>
@@ -138,6 +139,11 @@ struct engine_options {
   //! parameters are gathered inside the shard group. 0 (or N) = shard over all ranks. Needs a
   //! communicator with split(); N must be a multiple of G.
   std::size_t shard_group_size = 0;
+
+  //! Device engines (a communicator of device memory, zero/engine_cuda.cuh): the stream the
+  //! engine's kernels, allocations and frees run on (nullptr = the legacy default stream). The
+  //! engine passes it to a communicator that has set_compute_stream. Ignored on the host.
+  device_stream compute_stream = nullptr;
 };
 
 //! One entry of the ZeRO-3 timeline (engine_options::trace).
@@ -182,6 +188,102 @@ struct param_groups {
 };
 
 namespace detail {
+//! The element-wise work of an engine whose buffers live in `Space`: conversions and
+//! accumulation of gradients, the gradient statistics, the fused optimizer step, and the
+//! ordering of that work against the collectives. One specialisation per memory space: the
+//! host's below, the CUDA one in zero/engine_cuda.cuh (so that a device engine needs that
+//! header). `available` tells the engine whether the specialisation was seen.
+template <memory_space Space, float_storage Working, optimizer_policy Opt>
+struct engine_kernels {
+  static constexpr bool available = false;
+};
+
+//! One run of the fused step: `count` elements of this rank's shard, optimizer group `group`.
+template <float_storage Working, optimizer_policy Opt>
+struct engine_step_run {
+  float* params = nullptr;  // fp32 master (16-bit training) or the fp32 working values
+  float* state[Opt::state_count > 0 ? Opt::state_count : 1] = {};
+  const Working* grads = nullptr;
+  Working* working = nullptr;  // rounded working copy to write, or nullptr (fp32 training)
+  std::size_t count = 0;
+  std::size_t group = 0;
+};
+
+struct engine_no_scope {};
+
+//! Host memory: the host kernels, called directly; collectives complete on return or wait().
+template <float_storage Working, optimizer_policy Opt>
+struct engine_kernels<host_space, Working, Opt> {
+  static constexpr bool available = true;
+  using step_run = engine_step_run<Working, Opt>;
+
+  engine_kernels(device_stream /*compute*/, bool /*comm_orders_by_stream*/) noexcept {}
+
+  engine_no_scope scope() const noexcept { return {}; }
+  void before_collective() const noexcept {}
+  template <class Work>
+  void finish(Work& w) const {
+    w.wait();
+  }
+  void synchronize() const noexcept {}
+
+  // A framework's gradient (any float dtype) into a Working buffer: copy, or add.
+  void convert_in(const void* src, dtype t, Working* dst, std::size_t n) const {
+    host::convert(src, t, dst, dtype_of<Working>, n);
+  }
+  void accumulate_in(const void* src, dtype t, Working* dst, std::size_t n) const {
+    host::accumulate(src, t, dst, n);
+  }
+  void accumulate(const Working* src, Working* dst, std::size_t n) const {
+    host::accumulate(src, dst, n);
+  }
+  void fill_zero(Working* p, std::size_t n) const { std::fill_n(p, n, Working{}); }
+  // Working values out into a framework tensor of dtype t (in this space).
+  void convert_out(const Working* src, void* dst, dtype t, std::size_t n) const {
+    host::convert(src, dtype_of<Working>, dst, t, n);
+  }
+  // Host values (initial parameters) into a buffer of this space.
+  template <float_storage D>
+  void upload(const void* src, dtype t, D* dst, std::size_t n) const {
+    host::convert(src, t, dst, dtype_of<D>, n);
+  }
+  // Broadcast of host values from `root` through a communicator of this space.
+  template <class Comm>
+  void broadcast_host(Comm& comm, float* values, std::size_t n, int root) const {
+    comm.broadcast(values, n, root);
+  }
+  // All-reduce of a small host array (the control messages).
+  template <class Comm, class T>
+  void all_reduce_host(Comm& comm, T* values, std::size_t n, reduce_op op) const {
+    comm.all_reduce(values, values, n, op);
+  }
+
+  // Gradient statistics over the runs for_each(f) visits, f(const Working*, count).
+  template <class ForEach>
+  host::grad_stats grad_stats(ForEach&& for_each) const {
+    host::grad_stats st;
+    for_each([&](const Working* g, std::size_t n) { host::accumulate_stats(g, n, st); });
+    return st;
+  }
+  template <class ForEach>
+  std::uint64_t count_nonfinite(ForEach&& for_each) const {
+    std::uint64_t nonfinite = 0;
+    for_each([&](const Working* g, std::size_t n) { nonfinite += host::count_nonfinite(g, n); });
+    return nonfinite;
+  }
+
+  void prepare_step(const std::vector<step_run>& /*runs*/, std::size_t /*groups*/) {}
+  void step(const std::vector<step_run>& runs,
+            const std::vector<typename Opt::constants>& k) const {
+    for (const auto& r : runs) {
+      float* st[Opt::state_count > 0 ? Opt::state_count : 1];
+      for (std::size_t s = 0; s < Opt::state_count; ++s) st[s] = r.state[s];
+      host::fused_step<Opt, Working, Working>(k[r.group], r.params, st, r.grads, r.working,
+                                              r.count);
+    }
+  }
+};
+
 struct absent {};
 template <bool B, class T>
 using present_if = std::conditional_t<B, T, absent>;
@@ -193,9 +295,10 @@ class engine {
   static_assert(is_policy_set<Policies>,
                 "shardkit::engine<Comm, Policies, ...>: Policies must be shardkit::policies<...> "
                 "(or one of the aliases zero0, zero1, zero2, zero3, stage<N>)");
-  static_assert(host_accessible<typename Comm::memory_space>,
-                "shardkit::engine: this engine runs on host memory; include the CUDA engine "
-                "header for a communicator of device memory");
+  static_assert(detail::engine_kernels<typename Comm::memory_space, Working, Optimizer>::available,
+                "shardkit::engine: no kernels for the communicator's memory space; for a "
+                "communicator of device memory (thread_cuda_comm, nccl_communicator) include "
+                "<shardkit/zero/engine_cuda.cuh> in a CUDA translation unit");
 
  public:
   static constexpr int stage = Policies::stage;
@@ -211,6 +314,13 @@ class engine {
   using optimizer_type = Optimizer;
   using optimizer_options = typename Optimizer::options;
   using work_type = typename Comm::work_type;
+  //! Where the engine's buffers live: the communicator's memory space.
+  using memory_space = typename Comm::memory_space;
+  static constexpr bool on_host = host_accessible<memory_space>;
+  //! The communicator orders its collectives after the compute stream's work by itself.
+  static constexpr bool comm_orders_by_stream = requires(Comm & c, device_stream s) {
+    c.set_compute_stream(s);
+  };
 
   //! Builds the buffers for `model` and copies its initial values. Collective when
   //! options.broadcast_init is set, and under ZeRO-3 when units persist.
@@ -227,8 +337,16 @@ class engine {
         rank_(comm.rank()),
         ranks_(comm.size()),
         groups_(std::move(groups.options)),
-        options_(options) {
+        options_(options),
+        kern_(options.compute_stream, comm_orders_by_stream) {
     validate_options();
+    if constexpr (!on_host) {
+      if constexpr (requires { comm.set_compute_stream(options.compute_stream); }) {
+        comm.set_compute_stream(options.compute_stream);
+      }
+    }
+    [[maybe_unused]] auto on_compute =
+        kern_.scope();  // device buffers are allocated in stream order
     for (std::size_t i = 0; i < model.size(); ++i) {
       if (model[i].param_group >= groups_.size()) {
         detail::raise("engine: parameter '", model[i].name, "' is in parameter group ",
@@ -245,6 +363,12 @@ class engine {
       detail::raise("engine: the last unit declared with begin_unit() has no parameters");
     }
     setup_hybrid(comm);
+    if constexpr (!on_host) {
+      if constexpr (requires { comm.set_compute_stream(options.compute_stream); }) {
+        if (shard_comm_) shard_comm_->set_compute_stream(options.compute_stream);
+        if (replica_comm_) replica_comm_->set_compute_stream(options.compute_stream);
+      }
+    }
     const std::size_t n = static_cast<std::size_t>(shard_size_);
     if constexpr (stage == 0) {
       layout_ = flat_layout(numels, {}, 1, 1);
@@ -267,14 +391,15 @@ class engine {
 
     const std::size_t full = layout_.padded_numel();
     const std::size_t shard = layout_.shard_numel();
-    params_ =
-        buffer<Working>(shards_params ? shard : full, &memory_, memory_category::working_params);
-    grads_ = buffer<Working>(shards_grads ? shard : full, &memory_, memory_category::grads);
+    params_ = buffer<Working, memory_space>(shards_params ? shard : full, &memory_,
+                                            memory_category::working_params);
+    grads_ = buffer<Working, memory_space>(shards_grads ? shard : full, &memory_,
+                                           memory_category::grads);
     if constexpr (has_master) {
-      master_ = buffer<float>(shard, &memory_, memory_category::master_params);
+      master_ = buffer<float, memory_space>(shard, &memory_, memory_category::master_params);
     }
     for (auto& st : state_) {
-      st = buffer<float>(shard, &memory_, memory_category::optimizer_moments);
+      st = buffer<float, memory_space>(shard, &memory_, memory_category::optimizer_moments);
     }
     seen_.assign(numels.size(), 0);
     if constexpr (shards_grads) {
@@ -283,7 +408,8 @@ class engine {
       buckets_.resize(layout_.num_groups());
       for (std::size_t k = 0; k < options_.grad_buffers; ++k) {
         staging_.emplace_back();
-        staging_.back().full = buffer<Working>(largest, &memory_, memory_category::grad_buckets);
+        staging_.back().full =
+            buffer<Working, memory_space>(largest, &memory_, memory_category::grad_buckets);
       }
       for (std::size_t g = 0; g < layout_.num_groups(); ++g) {
         const auto& ge = layout_.group(g);
@@ -295,6 +421,7 @@ class engine {
     build_runs();
     load_initial(model);
     if constexpr (shards_params) setup_units(model);
+    kern_.synchronize();  // device engines: set-up complete before the first use
     sent_at_last_step_ = traffic_.total_bytes_sent();  // step reports exclude set-up traffic
   }
 
@@ -307,6 +434,12 @@ class engine {
     }
     if constexpr (shards_params) {
       for (auto& u : units_) drain_quietly(u.gather);
+    }
+    // Device engines: the buffers are freed after the members' destructors, on the thread's
+    // current stream; nothing on the compute stream may still use them then.
+    try {
+      kern_.synchronize();
+    } catch (...) {  // a failed device is reported by the calls that use it, never from here
     }
   }
 
@@ -321,7 +454,7 @@ class engine {
 
   //! The working values of parameter i. Stages 0-2: valid for the engine's lifetime, updated by
   //! step(). ZeRO-3: valid between its unit's pre_* and post_* hooks (usage_error otherwise).
-  tensor_view<Working> param(std::size_t i) {
+  tensor_view<Working, memory_space> param(std::size_t i) {
     check_index(i, "param");
     const auto& p = layout_.param(i);
     if constexpr (shards_params)
@@ -329,13 +462,13 @@ class engine {
     else
       return {params_.data() + p.offset, p.numel};
   }
-  tensor_view<const Working> param(std::size_t i) const {
+  tensor_view<const Working, memory_space> param(std::size_t i) const {
     return const_cast<engine*>(this)->param(i);
   }
 
   //! The gradient buffer of parameter i, to write gradients in place (stages 0 and 1, which
   //! keep full gradients). Zeroed by step().
-  tensor_view<Working> grad(std::size_t i) {
+  tensor_view<Working, memory_space> grad(std::size_t i) {
     static_assert(!shards_grads,
                   "engine::grad(i) is a view into the full gradient buffer, which ZeRO-2 and "
                   "ZeRO-3 do not keep: hand each gradient to grad_ready(i, tensor) instead");
@@ -345,10 +478,12 @@ class engine {
     return {grads_.data() + p.offset, p.numel};
   }
 
-  //! Hands over the gradient of parameter i (fp32, bf16 or fp16, host memory, same size as the
-  //! parameter). The first gradient of a parameter in a step is copied, later ones (micro-
-  //! batches) are added. ZeRO-2/3 reduce-scatter a bucket (unit) as soon as all its parameters
-  //! have their gradient. ZeRO-3: only between the unit's pre_backward and post_backward.
+  //! Hands over the gradient of parameter i (fp32, bf16 or fp16, in the engine's memory space:
+  //! host memory, or device memory for a device engine, whose work on it is enqueued on the
+  //! compute stream; same size as the parameter). The first gradient of a parameter in a step is
+  //! copied, later ones (micro- batches) are added. ZeRO-2/3 reduce-scatter a bucket (unit) as soon
+  //! as all its parameters have their gradient. ZeRO-3: only between the unit's pre_backward and
+  //! post_backward.
   template <tensor G>
   void grad_ready(std::size_t i, const G& grad) {
     check_index(i, "grad_ready");
@@ -358,9 +493,10 @@ class engine {
       detail::raise("engine::grad_ready: the gradient of parameter '", names_[i], "' (#", i,
                     ") has ", g.numel, " elements, expected ", p.numel, " (the parameter's size)");
     }
-    if (g.space != memory_kind::host) {
+    if (g.space != memory_kind_of<memory_space>) {
       detail::raise("engine::grad_ready: the gradient of parameter '", names_[i], "' is in ",
-                    name(g.space), " memory, expected host memory");
+                    name(g.space), " memory, expected ", name(memory_kind_of<memory_space>),
+                    " memory");
     }
     if (g.type != dtype::f32 && g.type != dtype::bf16 && g.type != dtype::f16) {
       detail::raise("engine::grad_ready: the gradient of parameter '", names_[i], "' has ",
@@ -379,39 +515,41 @@ class engine {
     if constexpr (!shards_grads) {
       Working* dst = grads_.data() + p.offset;
       if (!seen_[i]) {
-        host::convert(g.data, g.type, dst, dtype_of<Working>, p.numel);
+        kern_.convert_in(g.data, g.type, dst, p.numel);
         seen_[i] = 1;
       } else {
-        host::accumulate(g.data, g.type, dst, p.numel);
+        kern_.accumulate_in(g.data, g.type, dst, p.numel);
       }
     } else {
       auto& b = buckets_[p.group];
       if (b.slot < 0) open_bucket(p.group, i);
       Working* dst = staging_[static_cast<std::size_t>(b.slot)].full.data() + p.group_offset;
       if (!seen_[i]) {
-        host::convert(g.data, g.type, dst, dtype_of<Working>, p.numel);
+        kern_.convert_in(g.data, g.type, dst, p.numel);
         seen_[i] = 1;
         if (++b.reported == b.expected) launch_bucket(p.group);
       } else {
-        host::accumulate(g.data, g.type, dst, p.numel);
+        kern_.accumulate_in(g.data, g.type, dst, p.numel);
       }
     }
   }
 
-  //! Copies the working values of parameter i into `out` (any fp32/bf16/fp16 host tensor of
-  //! the parameter's size), for frameworks whose tensors cannot alias the engine's buffers.
+  //! Copies the working values of parameter i into `out` (any fp32/bf16/fp16 tensor of the
+  //! parameter's size in the engine's memory space; on a device, enqueued on the compute
+  //! stream), for frameworks whose tensors cannot alias the engine's buffers.
   //! ZeRO-3: only while the parameter's unit is gathered.
   template <tensor T>
   void copy_param_to(std::size_t i, T& out) const {
     check_index(i, "copy_param_to");
     const any_tensor_view o = erase(out);
     const auto& p = layout_.param(i);
-    if (o.numel != p.numel || o.read_only || o.space != memory_kind::host) {
-      detail::raise("engine::copy_param_to: parameter '", names_[i], "' needs a writable host ",
-                    "tensor of ", p.numel, " elements, got ", o.numel,
-                    o.read_only ? " read-only" : "", " elements in ", name(o.space), " memory");
+    if (o.numel != p.numel || o.read_only || o.space != memory_kind_of<memory_space>) {
+      detail::raise("engine::copy_param_to: parameter '", names_[i], "' needs a writable ",
+                    name(memory_kind_of<memory_space>), " ", "tensor of ", p.numel,
+                    " elements, got ", o.numel, o.read_only ? " read-only" : "", " elements in ",
+                    name(o.space), " memory");
     }
-    host::convert(param(i).data(), dtype_of<Working>, o.data, o.type, p.numel);
+    kern_.convert_out(param(i).data(), o.data, o.type, p.numel);
   }
 
   // ----------------------------------------------------------------------------------------
@@ -550,7 +688,7 @@ class engine {
   //! number of replicas R = N / G (plain ZeRO: rank(), N and 1).
   int shard_rank() const noexcept { return shard_rank_; }
   int shard_size() const noexcept { return shard_size_; }
-    int replicas() const noexcept { return ranks_ / shard_size_; }
+  int replicas() const noexcept { return ranks_ / shard_size_; }
   //! Hybrid sharding: the communicators of this rank's shard group and replica group (nullptr
   //! without hybrid sharding). Their traffic ledgers hold the engine's data collectives.
   Comm* shard_comm() noexcept { return shard_comm_ ? &*shard_comm_ : nullptr; }
@@ -608,19 +746,19 @@ class engine {
   //! This rank's fp32 master shard (S elements in shard order: layout().pieces(rank) maps them
   //! to parameters). Only with 16-bit working parameters; in fp32 the working copy is the
   //! master.
-  tensor_view<const float> master_shard() const noexcept {
+  tensor_view<const float, memory_space> master_shard() const noexcept {
     static_assert(has_master,
                   "engine::master_shard(): training in fp32 keeps no separate master copy; the "
                   "working parameters are the fp32 values");
     return {master_.data(), master_.size()};
   }
   //! ZeRO-3: this rank's shard of the working parameters (S elements in shard order).
-  tensor_view<const Working> param_shard() const noexcept {
+  tensor_view<const Working, memory_space> param_shard() const noexcept {
     static_assert(shards_params, "engine::param_shard(): only ZeRO-3 shards the parameters");
     return {params_.data(), params_.size()};
   }
   //! This rank's shard of optimizer state `s` (0 <= s < Optimizer::state_count).
-  tensor_view<const float> optimizer_state(std::size_t s) const {
+  tensor_view<const float, memory_space> optimizer_state(std::size_t s) const {
     if (s >= Optimizer::state_count) {
       detail::raise("engine::optimizer_state: ", Optimizer::name, " has ", Optimizer::state_count,
                     " state(s), asked for #", s);
@@ -646,8 +784,8 @@ class engine {
     int slot = -1;                // staging slot while filling
   };
   struct staging_slot {
-    buffer<Working> full;
-    buffer<Working> scratch;  // reduce-scatter target of later micro-batches
+    buffer<Working, memory_space> full;
+    buffer<Working, memory_space> scratch;  // reduce-scatter target of later micro-batches
     std::optional<work_type> work;
     std::size_t group = 0;
     bool filling = false;
@@ -661,7 +799,7 @@ class engine {
     backward,  // between pre_backward and post_backward
   };
   struct unit_info {
-    buffer<Working> gathered;  // N·S_u while gathered or in flight
+    buffer<Working, memory_space> gathered;  // N·S_u while gathered or in flight
     std::optional<work_type> gather;
     unit_state state = unit_state::released;
     bool persistent = false;
@@ -794,6 +932,25 @@ class engine {
       }
       runs_.push_back(run{pc.shard_offset, pc.full_offset, pc.count, pg});
     }
+    // The fused step's runs: pointers into the buffers, which never move after construction.
+    for (const auto& ru : runs_) {
+      step_run sr;
+      for (std::size_t s = 0; s < Optimizer::state_count; ++s) {
+        sr.state[s] = state_[s].data() + ru.shard_offset;
+      }
+      sr.grads = shards_grads ? grads_.data() + ru.shard_offset : grads_.data() + ru.full_offset;
+      Working* working = params_.data() + (shards_params ? ru.shard_offset : ru.full_offset);
+      if constexpr (has_master) {
+        sr.params = master_.data() + ru.shard_offset;
+        sr.working = working;
+      } else {
+        sr.params = working;
+      }
+      sr.count = ru.count;
+      sr.group = ru.param_group;
+      step_runs_.push_back(sr);
+    }
+    kern_.prepare_step(step_runs_, groups_.size());
   }
 
   void load_initial(const model_spec& model) {
@@ -808,7 +965,7 @@ class engine {
       if (options_.broadcast_init && ranks_ > 1) {
         tmp.resize(p.numel);
         host::convert(src, type, tmp.data(), dtype::f32, p.numel);
-        comm_.broadcast(tmp.data(), p.numel, 0);
+        kern_.broadcast_host(comm_, tmp.data(), p.numel, 0);
         traffic_.record(
             collective::broadcast,
             ring_bytes_sent(collective::broadcast, p.numel, sizeof(float),
@@ -817,16 +974,16 @@ class engine {
         type = dtype::f32;
       }
       if constexpr (!shards_params) {
-        host::convert(src, type, params_.data() + p.offset, dtype_of<Working>, p.numel);
+        kern_.upload(src, type, params_.data() + p.offset, p.numel);
       }
       for (const auto& pc : layout_.pieces_of(i)) {
         if (static_cast<std::size_t>(pc.rank) != r) continue;
         const auto* from = static_cast<const std::byte*>(src) + pc.param_offset * size_of(type);
         if constexpr (has_master) {
-          host::convert(from, type, master_.data() + pc.shard_offset, dtype::f32, pc.count);
+          kern_.upload(from, type, master_.data() + pc.shard_offset, pc.count);
         }
         if constexpr (shards_params) {
-          host::convert(from, type, params_.data() + pc.shard_offset, dtype_of<Working>, pc.count);
+          kern_.upload(from, type, params_.data() + pc.shard_offset, pc.count);
         }
       }
     }
@@ -865,6 +1022,7 @@ class engine {
   void reduce_across_replicas() {
     if (!replica_comm_ || replica_comm_->size() == 1) return;
     auto& rc = *replica_comm_;
+    kern_.before_collective();
     auto all_reduce = [&](Working* p, std::size_t count) {
       if (count == 0) return;
       rc.all_reduce(p, p, count, reduce_op::sum);
@@ -941,9 +1099,9 @@ class engine {
     }
     const auto& ge = layout_.group(g);
     if (options_.allow_missing_grads) {
-      std::fill_n(sl->full.data(), ge.padded, Working{});
+      kern_.fill_zero(sl->full.data(), ge.padded);
     } else if (ge.padded > ge.numel) {
-      std::fill_n(sl->full.data() + ge.numel, ge.padded - ge.numel, Working{});
+      kern_.fill_zero(sl->full.data() + ge.numel, ge.padded - ge.numel);
     }
     sl->filling = true;
     sl->group = g;
@@ -962,10 +1120,13 @@ class engine {
       if (sl.scratch.size() < ge.shard) {
         std::size_t largest = 0;
         for (const auto& x : layout_.groups()) largest = std::max(largest, x.shard);
-        sl.scratch = buffer<Working>(largest, &memory_, memory_category::comm_scratch);
+        [[maybe_unused]] auto on_compute = kern_.scope();
+        sl.scratch =
+            buffer<Working, memory_space>(largest, &memory_, memory_category::comm_scratch);
       }
       target = sl.scratch.data();
     }
+    kern_.before_collective();
     sl.work.emplace(
         data_comm().reduce_scatter_async(sl.full.data(), target, ge.shard, reduce_op::sum));
     record(collective::reduce_scatter, ge.shard, g);
@@ -983,10 +1144,10 @@ class engine {
     auto w = std::move(*sl.work);
     sl.work.reset();
     std::erase(inflight_, static_cast<std::size_t>(&sl - staging_.data()));
-    w.wait();
+    kern_.finish(w);  // device engines: later compute-stream work waits, the host does not
     if (sl.accumulate) {
       const auto& ge = layout_.group(sl.group);
-      host::accumulate(sl.scratch.data(), grads_.data() + ge.shard_offset, ge.shard);
+      kern_.accumulate(sl.scratch.data(), grads_.data() + ge.shard_offset, ge.shard);
       sl.accumulate = false;
     }
   }
@@ -1085,9 +1246,14 @@ class engine {
   void issue_gather(std::size_t u, bool backward) {
     auto& x = units_[u];
     const auto& ge = layout_.group(u);
-    x.gathered = buffer<Working>(ge.padded, &memory_, memory_category::gathered_params);
+    {
+      [[maybe_unused]] auto on_compute = kern_.scope();
+      x.gathered =
+          buffer<Working, memory_space>(ge.padded, &memory_, memory_category::gathered_params);
+    }
     x.state = unit_state::inflight;
     if (ge.shard != 0) {
+      kern_.before_collective();
       x.gather.emplace(data_comm().all_gather_async(params_.data() + ge.shard_offset,
                                                     x.gathered.data(), ge.shard));
       record(collective::all_gather, ge.shard, u);
@@ -1101,7 +1267,7 @@ class engine {
     if (x.gather) {
       auto w = std::move(*x.gather);
       x.gather.reset();
-      w.wait();
+      kern_.finish(w);
       if constexpr (requires { w.completion_time(); }) {
         note(trace_event::kind::gather_completed, u, backward, w.completion_time());
       } else {
@@ -1116,7 +1282,10 @@ class engine {
   void release(std::size_t u, bool backward) {
     auto& x = units_[u];
     drain_quietly(x.gather);
-    x.gathered.release();
+    {
+      [[maybe_unused]] auto on_compute = kern_.scope();  // freed after the compute that used it
+      x.gathered.release();
+    }
     x.state = unit_state::released;
     x.kept = false;
     note(trace_event::kind::released, u, backward);
@@ -1272,11 +1441,13 @@ class engine {
   void reduce_gradients() {
     if constexpr (stage == 0) {
       if (ranks_ > 1 && layout_.numel() != 0) {
+        kern_.before_collective();
         comm_.all_reduce(grads_.data(), grads_.data(), layout_.numel(), reduce_op::sum);
         record(collective::all_reduce, layout_.numel(), 0);
       }
     } else if constexpr (stage == 1) {
       std::vector<work_type> works;
+      kern_.before_collective();
       for (std::size_t g = 0; g < layout_.num_groups(); ++g) {
         const auto& ge = layout_.group(g);
         if (ge.shard == 0) continue;
@@ -1286,7 +1457,7 @@ class engine {
             reduce_op::sum));
         record(collective::reduce_scatter, ge.shard, g);
       }
-      for (auto& w : works) w.wait();
+      for (auto& w : works) kern_.finish(w);
     } else {
       // Every bucket must have been reduced at least once, and none may be half full.
       std::string missing;
@@ -1350,13 +1521,12 @@ class engine {
     if (!overflow && !schedule) return res;
     host::grad_stats st;
     std::uint64_t nonfinite = 0;
+    auto owned = [&](auto&& f) { for_each_owned_grad(f); };
     if (stats) {
-      for_each_owned_grad(
-          [&](const Working* g, std::size_t n) { host::accumulate_stats(g, n, st); });
+      st = kern_.grad_stats(owned);
       nonfinite = st.nonfinite();
     } else if (overflow) {
-      for_each_owned_grad(
-          [&](const Working* g, std::size_t n) { nonfinite += host::count_nonfinite(g, n); });
+      nonfinite = kern_.count_nonfinite(owned);
     }
     std::vector<std::uint64_t> msg;
     if (stats) msg.assign(st.words.begin(), st.words.begin() + host::grad_stats::bins);
@@ -1368,12 +1538,12 @@ class engine {
       msg.push_back(schedule_hash_ * schedule_hash_);
     }
     if (ranks_ > 1) {
-      comm_.all_reduce(msg.data(), msg.data(), msg.size(), reduce_op::sum);
+      kern_.all_reduce_host(comm_, msg.data(), msg.size(), reduce_op::sum);
       record_control(msg.size(), sizeof(std::uint64_t));
     }
     std::uint32_t max_bits = st.max_abs_bits;
     if (needs_inf_norm() && ranks_ > 1) {
-      comm_.all_reduce(&max_bits, &max_bits, 1, reduce_op::max);
+      kern_.all_reduce_host(comm_, &max_bits, 1, reduce_op::max);
       record_control(1, sizeof(std::uint32_t));
     }
     if (schedule) {
@@ -1424,22 +1594,7 @@ class engine {
     for (const auto& o : groups_) {
       k.push_back(Optimizer::prepare(o, steps_, o.lr * lr_scale, grad_scale));
     }
-    for (const auto& r : runs_) {
-      float* st[Optimizer::state_count];
-      for (std::size_t s = 0; s < Optimizer::state_count; ++s) {
-        st[s] = state_[s].data() + r.shard_offset;
-      }
-      const Working* g =
-          shards_grads ? grads_.data() + r.shard_offset : grads_.data() + r.full_offset;
-      Working* working = params_.data() + (shards_params ? r.shard_offset : r.full_offset);
-      const auto& kg = k[r.param_group];
-      if constexpr (has_master) {
-        host::fused_step<Optimizer>(kg, master_.data() + r.shard_offset, st, g, working, r.count);
-      } else {
-        host::fused_step<Optimizer, Working, Working>(kg, working, st, g,
-                                                      static_cast<Working*>(nullptr), r.count);
-      }
-    }
+    kern_.step(step_runs_, k);
   }
 
   // ZeRO-3: frees every gathered unit that is not persistent (prefetched but unused, or kept).
@@ -1452,6 +1607,7 @@ class engine {
   void gather_params() {
     if constexpr (stage == 1 || stage == 2) {
       std::vector<work_type> works;
+      kern_.before_collective();
       for (std::size_t g = 0; g < layout_.num_groups(); ++g) {
         const auto& ge = layout_.group(g);
         if (ge.shard == 0) continue;
@@ -1460,7 +1616,7 @@ class engine {
             base + static_cast<std::size_t>(shard_rank_) * ge.shard, base, ge.shard));
         record(collective::all_gather, ge.shard, g);
       }
-      for (auto& w : works) w.wait();
+      for (auto& w : works) kern_.finish(w);
     } else if constexpr (stage == 3) {
       // Units prefetched but never used are released; persistent units are gathered anew.
       release_transient_units();
@@ -1477,7 +1633,10 @@ class engine {
   }
 
   void reset_gradients() {
-    grads_.zero();
+    {
+      [[maybe_unused]] auto on_compute = kern_.scope();
+      grads_.zero();
+    }
     std::fill(seen_.begin(), seen_.end(), 0);
     if constexpr (shards_grads) {
       for (auto& sl : staging_) {
@@ -1513,6 +1672,9 @@ class engine {
   std::optional<Comm> replica_comm_;  // hybrid sharding only
   std::vector<optimizer_options> groups_;
   engine_options options_;
+  using kernels = detail::engine_kernels<memory_space, Working, Optimizer>;
+  using step_run = typename kernels::step_run;
+  kernels kern_;  // the element-wise work in the buffers' memory space
   std::vector<std::string> names_;
   std::vector<std::string> unit_names_;
   std::vector<std::size_t> unit_starts_;
@@ -1522,12 +1684,13 @@ class engine {
   memory_ledger memory_;
   traffic_ledger traffic_;
   traffic_ledger control_traffic_;
-  buffer<Working> params_;
-  buffer<Working> grads_;
-  [[no_unique_address]] detail::present_if<has_master, buffer<float>> master_;
-  buffer<float> state_[Optimizer::state_count];
+  buffer<Working, memory_space> params_;
+  buffer<Working, memory_space> grads_;
+  [[no_unique_address]] detail::present_if<has_master, buffer<float, memory_space>> master_;
+  buffer<float, memory_space> state_[Optimizer::state_count];
   std::vector<unsigned char> seen_;
   std::vector<run> runs_;
+  std::vector<step_run> step_runs_;
   [[no_unique_address]] detail::present_if<shards_grads, std::vector<bucket_state>> buckets_;
   [[no_unique_address]] detail::present_if<shards_grads, std::vector<staging_slot>> staging_;
   [[no_unique_address]] detail::present_if<shards_grads, std::vector<std::size_t>> inflight_;
