@@ -17,6 +17,7 @@
 // (shardkit::launched_by_mpi()), and it is built without MPI where shardkit::mpi is missing.
 #include <shardkit/shardkit.hpp>
 
+#include "../common/args.hpp"
 #include "../common/format.hpp"
 #if defined(SHARDKIT_EXAMPLE_MPI)
 #include <shardkit/comm/mpi.hpp>
@@ -68,21 +69,14 @@ void print_usage(const std::string& why) {
   std::cerr << "error: " << why << "\n"
             << "usage: shardkit_example_01_mlp_zero [--stage 0|1|2|3] [--ranks N] [--steps K]\n"
                "         [--layers a,b,c,...] [--dtype fp32|bf16] [--batch B] [--lr X]\n"
-               "                  [--bucket ELEMS] [--prefetch D] [--hybrid G] [--seed S] [--json] "
+               "         [--bucket ELEMS] [--prefetch D] [--hybrid G] [--seed S] [--json] "
                "[--check]\n"
                "       mpiexec -np N shardkit_example_01_mlp_zero [same options; --ranks N or "
                "none]\n";
 }
 
 long parse_int(const std::string& flag, const char* v, long lo, long hi) {
-  char* end = nullptr;
-  errno = 0;
-  const long x = std::strtol(v, &end, 10);
-  if (errno != 0 || end == v || *end != '\0' || x < lo || x > hi) {
-    usage(flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-          "], got '" + v + "'");
-  }
-  return x;
+  return examples::parse_int(flag, v, lo, hi, usage);
 }
 
 config parse(int argc, char** argv) {
@@ -110,14 +104,9 @@ config parse(int argc, char** argv) {
       c.bucket = static_cast<std::size_t>(parse_int(a, value(), 0, 1L << 40));
     else if (a == "--seed")
       c.seed = static_cast<std::uint64_t>(parse_int(a, value(), 0, 1L << 62));
-    else if (a == "--lr") {
-      const char* v = value();
-      char* end = nullptr;
-      c.lr = std::strtof(v, &end);
-      if (end == v || *end != '\0' || !(c.lr >= 0.0f) || !std::isfinite(c.lr)) {
-        usage("--lr expects a non-negative number, got '" + std::string(v) + "'");
-      }
-    } else if (a == "--dtype") {
+    else if (a == "--lr")
+      c.lr = examples::parse_nonnegative(a, value(), usage);
+    else if (a == "--dtype") {
       c.dtype = value();
       if (c.dtype != "fp32" && c.dtype != "bf16") usage("--dtype must be fp32 or bf16");
     } else if (a == "--layers") {

@@ -20,6 +20,8 @@
 #include <shardkit/adapters/torch.hpp>
 #include <shardkit/shardkit.hpp>
 
+#include "../common/args.hpp"
+
 #include <chrono>
 #include <cinttypes>
 #include <cmath>
@@ -59,14 +61,7 @@ struct config {
 }
 
 long parse_int(const std::string& flag, const char* v, long lo, long hi) {
-  char* end = nullptr;
-  errno = 0;
-  const long x = std::strtol(v, &end, 10);
-  if (errno != 0 || end == v || *end != '\0' || x < lo || x > hi) {
-    usage(flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-          "], got '" + v + "'");
-  }
-  return x;
+  return examples::parse_int(flag, v, lo, hi, usage);
 }
 
 config parse(int argc, char** argv) {
@@ -93,14 +88,9 @@ config parse(int argc, char** argv) {
       c.seed = static_cast<std::uint64_t>(parse_int(a, value(), 0, 1L << 62));
     else if (a == "--prefetch")
       c.prefetch = static_cast<std::size_t>(parse_int(a, value(), 0, 64));
-    else if (a == "--lr") {
-      const char* v = value();
-      char* end = nullptr;
-      c.lr = std::strtof(v, &end);
-      if (end == v || *end != '\0' || !(c.lr >= 0.0f) || !std::isfinite(c.lr)) {
-        usage("--lr expects a non-negative number, got '" + std::string(v) + "'");
-      }
-    } else if (a == "--dtype") {
+    else if (a == "--lr")
+      c.lr = examples::parse_nonnegative(a, value(), usage);
+    else if (a == "--dtype") {
       c.dtype = value();
       if (c.dtype != "fp32" && c.dtype != "bf16") usage("--dtype must be fp32 or bf16");
     } else if (a == "--json")

@@ -14,6 +14,7 @@
 #include <shardkit/adapters/eigen.hpp>
 #include <shardkit/shardkit.hpp>
 
+#include "../common/args.hpp"
 #include "../common/mlp.hpp"  // counter-based random numbers
 
 #include <Eigen/Core>
@@ -47,14 +48,7 @@ struct config {
 }
 
 long parse_int(const std::string& flag, const char* v, long lo, long hi) {
-  char* end = nullptr;
-  errno = 0;
-  const long x = std::strtol(v, &end, 10);
-  if (errno != 0 || end == v || *end != '\0' || x < lo || x > hi) {
-    usage(flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-          "], got '" + v + "'");
-  }
-  return x;
+  return examples::parse_int(flag, v, lo, hi, usage);
 }
 
 config parse(int argc, char** argv) {
