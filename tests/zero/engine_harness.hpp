@@ -439,7 +439,7 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
     // The communicator recorded exactly what the engine says it sent (the all_gather above
     // for the master check is outside the engine).
     c.barrier();  // every asynchronous collective this rank issued has completed
-        auto sent = c.traffic().since(traffic0);
+    auto sent = c.traffic().since(traffic0);
     shardkit::traffic_ledger sub;  // hybrid sharding: the shard and replica groups' collectives
     for (auto* sc : {eng.shard_comm(), eng.replica_comm()}) {
       if (sc == nullptr) continue;
@@ -455,7 +455,7 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
                                         eng.layout().shard_numel(), 4, nw,
                                         static_cast<std::uint64_t>(c.rank()))
             : 0;
-        check(sent.total_bytes_sent() + sub.total_bytes_sent() ==
+    check(sent.total_bytes_sent() + sub.total_bytes_sent() ==
               eng.traffic().total_bytes_sent() + eng.control_traffic().total_bytes_sent() + extra,
           "communicator recorded ", sent.total_bytes_sent(), " bytes, engine ",
           eng.traffic().total_bytes_sent(), " + control ",
