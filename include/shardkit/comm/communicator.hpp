@@ -1,6 +1,6 @@
 //! \file comm/communicator.hpp
-//! The Communicator concept every engine is written against, the reduction operations, and the
-//! work-handle concept of asynchronous collectives.
+//! The Communicator concept every engine is written against and the work-handle concept of
+//! asynchronous collectives (the reduction operations are core/reduce_op.hpp).
 //!
 //! Semantics follow NCCL:
 //!  - all_reduce(in, out, n, op): every rank gets op over all ranks' n elements.
@@ -24,6 +24,7 @@
 #include <shardkit/core/error.hpp>
 #include <shardkit/core/ledger.hpp>
 #include <shardkit/core/memory.hpp>
+#include <shardkit/core/reduce_op.hpp>
 
 #include <concepts>
 #include <cstddef>
@@ -32,27 +33,6 @@
 #include <string>
 
 SHARDKIT_NAMESPACE_BEGIN
-
-//! Reduction operation of all_reduce and reduce_scatter.
-enum class reduce_op : std::uint8_t { sum, avg, max, min };
-
-constexpr const char* name(reduce_op op) noexcept {
-  switch (op) {
-    case reduce_op::sum:
-      return "sum";
-    case reduce_op::avg:
-      return "avg";
-    case reduce_op::max:
-      return "max";
-    case reduce_op::min:
-      return "min";
-  }
-  return "unknown";
-}
-
-inline std::ostream& operator<<(std::ostream& os, reduce_op op) {
-  return os << name(op);
-}
 
 //! A handle to an asynchronous collective. wait() blocks the host until the collective is done
 //! and rethrows its error; test() says whether it is done without blocking.

@@ -1,7 +1,8 @@
 //! \file comm/volume.hpp
-//! Bytes a rank sends in each collective under the ring algorithms (the convention of FACTS.md
-//! and of nccl-tests). Every communicator records these numbers in its traffic ledger, whatever
-//! transport it uses, so the ledger of a step can be checked against closed-form formulas.
+//! Bytes a rank sends in each collective under the ring algorithms (the convention of
+//! docs/accounting.md and of nccl-tests). Every communicator records these numbers in its traffic
+//! ledger, whatever transport it uses, so the ledger of a step can be checked against closed-form
+//! formulas.
 //!
 //! For N ranks, element size e and the collectives' NCCL-style counts:
 //!   reduce_scatter(count per rank c): (N-1)·c·e

@@ -11,7 +11,8 @@
 //! Rank r owns the contiguous slice [r·S_g, (r+1)·S_g) of every group, so each collective on a
 //! group has equal per-rank counts (NCCL semantics). A rank's *shard buffer* is the concatenation
 //! of its slices: S = Σ_g S_g elements. The *full buffer* is the concatenation of the padded
-//! groups: N·S elements. With one group and alignment 1, S = ceil(Ψ/N) exactly (FACTS.md).
+//! groups: N·S elements. With one group and alignment 1, S = ceil(Ψ/N) exactly
+//! (docs/accounting.md).
 //!
 //! Padding is always at the end of a group, never inside a parameter. Uneven sizes, N > Ψ and
 //! zero-size parameters are ordinary cases.

@@ -8,10 +8,14 @@
 //!   - `options`: its hyper-parameters; `constants`: what one step needs, from `prepare()`;
 //!   - `update(p, s, g, k)`: one element's step on fp32 parameter p, state s[state_count] and the
 //!     raw gradient g (already in fp32; `k.grad_scale` unscales/averages/clips it).
+//!   - optionally `validate(options)`: raises invalid_argument naming a hyper-parameter that is
+//!     out of range (called once per parameter group when an optimizer is built; the learning
+//!     rate is checked for every optimizer).
 //! Users can plug in their own optimizer by writing such a type.
 #pragma once
 
 #include <shardkit/config.hpp>
+#include <shardkit/core/error.hpp>
 
 #include <cmath>
 #include <concepts>
@@ -53,7 +57,7 @@ struct adam_constants {
 };
 
 //! Adam (`Decoupled = false`: weight decay added to the gradient) and AdamW (`true`: decoupled
-//! weight decay), as in FACTS.md:
+//! weight decay), as docs/accounting.md states them:
 //!     g = grad·grad_scale [+ wd·p]        m = β1·m + (1-β1)·g      v = β2·v + (1-β2)·g²
 //!     p = p - lr·( (m/(1-β1^t)) / (sqrt(v/(1-β2^t)) + ε) [+ wd·p] )
 template <bool Decoupled>
@@ -79,6 +83,14 @@ struct adam_family {
                      static_cast<float>(1.0 / bc1),
                      static_cast<float>(1.0 / bc2),
                      grad_scale};
+  }
+
+  //! Raises invalid_argument unless 0 <= beta1, beta2 < 1 and eps > 0.
+  static void validate(const options& o) {
+    if (!(o.beta1 >= 0.0f && o.beta1 < 1.0f) || !(o.beta2 >= 0.0f && o.beta2 < 1.0f)) {
+      detail::raise("Adam betas must lie in [0, 1), got beta1 = ", o.beta1, ", beta2 = ", o.beta2);
+    }
+    if (!(o.eps > 0.0f)) detail::raise("Adam eps must be positive, got ", o.eps);
   }
 
   template <class V>

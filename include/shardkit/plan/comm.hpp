@@ -25,120 +25,63 @@
 //! shard groups are G consecutive ranks and a replica group is every G-th rank.
 //!
 //! Stage 0 sends 2(N−1)/N·e·Ψ (N | Ψ), stages 1-2 2(N−1)·e·S, stage 3 without persistent units
-//! 3(N−1)·e·S: FACTS.md's 1 : 1 : 1.5.
+//! 3(N−1)·e·S: the 1 : 1 : 1.5 of docs/accounting.md.
 #pragma once
 
 #include <shardkit/comm/volume.hpp>
 #include <shardkit/config.hpp>
 #include <shardkit/core/ledger.hpp>
 #include <shardkit/plan/model.hpp>
+#include <shardkit/zero/accounting.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 
 SHARDKIT_NAMESPACE_BEGIN
 namespace plan {
 
-//! Which ranks a collective runs over.
-enum class comm_group : std::uint8_t {
-  world,    //!< all N ranks
-  shard,    //!< the rank's shard group: G consecutive ranks (all N unless hybrid)
-  replica,  //!< the ranks holding the same shard in the other replicas: R ranks, stride G
-};
+using accounting::collective_call;
+using accounting::comm_group;
+using accounting::name;
 
-constexpr const char* name(comm_group g) noexcept {
-  switch (g) {
-    case comm_group::world:
-      return "world";
-    case comm_group::shard:
-      return "shard";
-    case comm_group::replica:
-      return "replica";
-  }
-  return "unknown";
+//! The step shape of setup `s` for a layout summarised as `l` (zero/accounting.hpp).
+constexpr accounting::step_shape step_shape_of(const setup& s, const layout_summary& l) noexcept {
+  accounting::step_shape sh;
+  sh.stage = s.stage;
+  sh.ranks = s.ranks;
+  sh.shard_ranks = s.shard_group();
+  sh.psi = l.psi;
+  sh.shard = l.shard;
+  sh.grad_bytes = s.bytes.grad_bytes;
+  sh.working_bytes = s.bytes.working_bytes;
+  sh.micro_batches = s.micro_batches;
+  return sh;
 }
-
-//! One collective of a step, issued `repeat` times.
-struct collective_call {
-  collective op;             //!< all_reduce, reduce_scatter or all_gather
-  std::uint64_t count;       //!< elements, as NCCL counts them: per rank for reduce-scatter and
-                             //!< all-gather, the whole array for all-reduce
-  std::uint64_t elem_bytes;  //!< bytes per element on the wire
-  comm_group group;          //!< the ranks taking part
-  std::uint64_t repeat;      //!< times per optimizer step
-};
 
 //! Ranks in group `g` of setup `s`.
 constexpr std::uint64_t group_size(const setup& s, comm_group g) noexcept {
-  switch (g) {
-    case comm_group::world:
-      return s.ranks;
-    case comm_group::shard:
-      return s.shard_group();
-    case comm_group::replica:
-      return s.replicas();
-  }
-  return 1;
+  return accounting::group_size(step_shape_of(s, {}), g);
 }
 
-//! Position of `rank` within its group `g` (ring order).
+//! Position of `rank` within its group `g` (ring order: rank = replica·G + index in its shard
+//! group).
 constexpr std::uint64_t group_rank(const setup& s, comm_group g, std::uint64_t rank) noexcept {
-  const std::uint64_t G = s.shard_group();
-  switch (g) {
-    case comm_group::world:
-      return rank;
-    case comm_group::shard:
-      return G == 0 ? 0 : rank % G;
-    case comm_group::replica:
-      return G == 0 ? 0 : rank / G;
-  }
-  return 0;
+  return accounting::group_rank(step_shape_of(s, {}), g, rank);
 }
 
 //! Calls f(collective_call) for every collective a rank issues in one optimizer step of stage
-//! `s.stage` (see the file comment). The same list for every rank.
+//! `s.stage` (see the file comment): zero/accounting.hpp's list, the one the engine reports.
 template <class F>
 constexpr void for_each_collective(const setup& s, std::span<const unit> units, F&& f) {
-  const std::uint64_t k = s.micro_batches;
-  const std::uint64_t eg = s.bytes.grad_bytes, ew = s.bytes.working_bytes;
-  const bool sharded = s.shard_group() > 1;
   const layout_summary l = summarize(s, units);
-  auto each = [&](collective op, std::uint64_t count, std::uint64_t e, comm_group g,
-                  std::uint64_t repeat) {
-    if (repeat != 0 && count != 0) f(collective_call{op, count, e, g, repeat});
+  const std::uint64_t G = l.ranks;
+  auto group = [&](std::size_t i) {
+    const unit& u = units[i];
+    return accounting::group_shape{u.numel, group_shard(u.numel, G, s.alignment),
+                                   u.numel < s.persist_below, u.reshard_after_forward};
   };
-  if (s.stage == 0) {
-    if (s.ranks > 1) each(collective::all_reduce, l.psi, eg, comm_group::world, 1);
-    return;
-  }
-  // Stages 1-2 run one reduce-scatter and one all-gather per group: stage 1 has one group of
-  // all Ψ, stage 2 the units as buckets. Empty groups (S_g = 0) issue nothing.
-  auto groups = [&](auto&& per_group) {
-    if (s.stage == 1) {
-      per_group(l.shard);
-    } else {
-      for (const auto& u : units) per_group(group_shard(u.numel, l.ranks, s.alignment));
-    }
-  };
-  const std::uint64_t rounds = s.stage == 1 ? 1 : k;  // stage 2 reduces every micro-batch
-  if (s.stage <= 2 && sharded) {
-    groups([&](std::uint64_t sg) {
-      each(collective::reduce_scatter, sg, eg, comm_group::shard, rounds);
-    });
-  }
-  if (s.stage == 3 && sharded) {
-    for (const auto& u : units) {
-      const std::uint64_t su = group_shard(u.numel, l.ranks, s.alignment);
-      const bool persistent = u.numel < s.persist_below;
-      const std::uint64_t gathers = persistent ? 1 : (u.reshard_after_forward ? 2 * k : k);
-      each(collective::all_gather, su, ew, comm_group::shard, gathers);
-      each(collective::reduce_scatter, su, eg, comm_group::shard, k);
-    }
-  }
-  if (s.replicas() > 1) each(collective::all_reduce, l.shard, eg, comm_group::replica, 1);
-  if (s.stage <= 2 && sharded) {
-    groups([&](std::uint64_t sg) { each(collective::all_gather, sg, ew, comm_group::shard, 1); });
-  }
+  accounting::for_each_step_collective(step_shape_of(s, l), units.size(), group, f);
 }
 
 //! Bytes one rank sends per optimizer step, and the collectives it issues, per kind.

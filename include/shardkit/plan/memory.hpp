@@ -28,6 +28,7 @@
 #include <shardkit/config.hpp>
 #include <shardkit/plan/formulas.hpp>
 #include <shardkit/plan/model.hpp>
+#include <shardkit/zero/accounting.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -76,10 +77,9 @@ struct memory_bytes {
 //! the engine prefetches less rather than exceed the limit. 0 for stages 0-2.
 constexpr std::uint64_t live_elems(const setup& s, const layout_summary& l) noexcept {
   if (s.stage != 3) return 0;
-  const std::uint64_t window = std::min<std::uint64_t>(1 + s.prefetch, l.transient_units);
-  const std::uint64_t bound =
-      l.ranks * (window * l.largest_transient_shard + l.persistent_shard + l.kept_shard);
-  return s.max_live_elems != 0 ? std::min(bound, s.max_live_elems) : bound;
+  return accounting::live_elems_bound(
+      s.prefetch, l.transient_units, l.ranks * l.largest_transient_shard,
+      l.ranks * l.persistent_shard, l.ranks * l.kept_shard, s.max_live_elems);
 }
 
 //! As above, for a model.
@@ -101,27 +101,16 @@ constexpr bool live_limit_ok(const setup& s, const layout_summary& l) noexcept {
 constexpr memory_bytes memory_per_rank(const setup& s, const layout_summary& l) noexcept {
   const precision& p = s.bytes;
   const std::uint64_t S = l.shard;
-  const std::uint64_t full = l.padded();  // G·S (stage 0: Ψ)
+  const state_bytes model = model_state_bytes(s.stage, l.psi, l.ranks, S, p);
   memory_bytes m;
   m.activations = s.activation_bytes;
-  m.master_params = p.master_bytes * S;
-  m.optimizer_moments = p.state_bytes * S;
-  switch (s.stage) {
-    case 0:
-    case 1:
-      m.working_params = p.working_bytes * full;
-      m.grads = p.grad_bytes * full;
-      return m;
-    case 2:
-      m.working_params = p.working_bytes * full;
-      break;
-    default:
-      m.working_params = p.working_bytes * S;
-      m.gathered_params = p.working_bytes * live_elems(s, l);
-      break;
-  }
-  // Stages 2 and 3: gradient shard, staging buckets, micro-batch scratch.
-  m.grads = p.grad_bytes * S;
+  m.working_params = model.working_params;
+  m.grads = model.grads;
+  m.master_params = model.master_params;
+  m.optimizer_moments = model.optimizer_moments;
+  if (s.stage <= 1) return m;
+  if (s.stage == 3) m.gathered_params = p.working_bytes * live_elems(s, l);
+  // Stages 2 and 3: staging buckets and micro-batch scratch.
   m.grad_buckets = s.grad_buffers * p.grad_bytes * l.ranks * l.largest_shard;
   if (s.micro_batches > 1) {
     const std::uint64_t later_rounds = (s.micro_batches - 1) * l.nonempty_groups;

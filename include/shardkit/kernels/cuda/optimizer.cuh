@@ -4,7 +4,7 @@
 //! state, calls the optimizer policy's per-element `update` (kernels/math.hpp, V = float, the
 //! function the host loops call), writes parameter and state back and the 16-bit working copy in
 //! the same pass. With bf16 gradients and Adam: read 2 + 12, write 12 + 2 = 28 bytes per element,
-//! the minimum (FACTS.md). The gradient multiplier (unscale × average × clip) is
+//! the minimum (docs/accounting.md). The gradient multiplier (unscale × average × clip) is
 //! `constants::grad_scale`, applied inside. The overflow skip can stay on the device: the step
 //! takes an optional pointer to a non-finite count and changes nothing when it is non-zero.
 //!

@@ -12,7 +12,6 @@
 //! buffer of a deterministic reduce-scatter).
 #pragma once
 
-#include <shardkit/comm/communicator.hpp>
 #include <shardkit/config.hpp>
 #include <shardkit/core/cuda.cuh>
 #include <shardkit/core/cuda_memory.cuh>
@@ -20,6 +19,7 @@
 #include <shardkit/core/dtype.hpp>
 #include <shardkit/core/error.hpp>
 #include <shardkit/core/memory.hpp>
+#include <shardkit/core/reduce_op.hpp>
 #include <shardkit/kernels/cuda/common.cuh>
 #include <shardkit/kernels/cuda/launch.hpp>
 

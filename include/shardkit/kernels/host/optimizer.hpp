@@ -3,7 +3,7 @@
 //! the gradient (fp32, bf16 or fp16) and the fp32 parameter and state, applies the optimizer's
 //! per-element `update` (kernels/math.hpp), writes parameter and state back, and writes the
 //! 16-bit working copy in the same pass. With bf16 gradients and Adam that is the minimum
-//! traffic of FACTS.md: read 2 + 12, write 12 + 2 = 28 bytes per element.
+//! traffic of docs/accounting.md: read 2 + 12, write 12 + 2 = 28 bytes per element.
 #pragma once
 
 #include <shardkit/config.hpp>

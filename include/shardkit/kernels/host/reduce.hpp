@@ -7,9 +7,9 @@
 //! `out` may be one of the inputs (in-place reductions).
 #pragma once
 
-#include <shardkit/comm/communicator.hpp>
 #include <shardkit/config.hpp>
 #include <shardkit/core/dtype.hpp>
+#include <shardkit/core/reduce_op.hpp>
 #include <shardkit/kernels/host/simd.hpp>
 
 #include <cstddef>

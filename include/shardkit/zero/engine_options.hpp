@@ -1,0 +1,79 @@
+//! \file zero/engine_options.hpp
+//! `engine_options`: the settings of an engine that do not change its type. The engine hands
+//! each group of them to the component it configures: the layout (bucket_elems, alignment),
+//! the topology (shard_group_size), shard_grads (grad_buffers, allow_missing_grads),
+//! shard_params (prefetch, persist_below, max_live_elems, trace), step_control (clipping,
+//! norms, loss scaling, check_schedule) and the engine itself (average_grads, broadcast_init,
+//! compute_stream). Options a stage does not use are ignored by it, as each field says.
+#pragma once
+
+#include <shardkit/config.hpp>
+#include <shardkit/core/device.hpp>
+#include <shardkit/zero/step_control.hpp>
+
+#include <cstddef>
+#include <optional>
+
+SHARDKIT_NAMESPACE_BEGIN
+
+//! Settings of an engine that do not change its type.
+struct engine_options {
+  //! ZeRO-2: gradient bucket size in elements; buckets close greedily from the last parameter
+  //! backwards. 0 = one bucket per declared unit (or one for the whole model).
+  std::size_t bucket_elems = 0;
+  //! ZeRO-2: staging buffers of one bucket each. 1 keeps a rank at its gradient shard plus one
+  //! bucket of full gradients; 2 lets one bucket fill while another is being reduced.
+  std::size_t grad_buffers = 1;
+  //! Round each rank's slice of every group up to a multiple of this many elements.
+  std::size_t alignment = 1;
+  //! Divide summed gradients by the number of ranks (the data-parallel mean).
+  bool average_grads = true;
+  //! At construction, give every rank rank 0's initial parameter values.
+  bool broadcast_init = false;
+  //! ZeRO-2/3: treat parameters that received no gradient in a step as zero instead of raising
+  //! usage_error at step().
+  bool allow_missing_grads = false;
+  //! ZeRO-3: units gathered ahead of use (0 = gather on demand only).
+  std::size_t prefetch = 1;
+  //! ZeRO-3: units with fewer elements than this stay gathered for the whole step.
+  std::size_t persist_below = 0;
+  //! ZeRO-3: most gathered parameter elements held at once (0 = no limit beyond the schedule's
+  //! own bound). Prefetching stops short of it; a configuration whose largest unit plus the
+  //! persistent units exceeds it is rejected at construction.
+  std::size_t max_live_elems = 0;
+  //! ZeRO-2/3: at step(), check with one 16-byte all-reduce that every rank issued the engine's
+  //! collectives in the same order (same buckets/units); if not, raise usage_error on every rank
+  //! and do not apply the step.
+  bool check_schedule = true;
+  //! ZeRO-3: record a timeline of gathers, waits and hooks (engine::trace()).
+  bool trace = false;
+
+  //! Clip the global gradient norm to this value (0 = no clipping). The norm is that of the
+  //! averaged, unscaled gradient over all true parameter elements (padding excluded, each
+  //! element once), computed exactly so every stage and rank count agrees bit for bit; the clip
+  //! coefficient min(1, max / (norm + 1e-6)) is applied inside the fused step.
+  float clip_grad_norm = 0.0f;
+  //! The norm clip_grad_norm bounds.
+  grad_norm_kind clip_norm = grad_norm_kind::l2;
+  //! Compute and report the gradient norms (step_report::grad_norm, grad_inf_norm) even
+  //! without clipping. Costs one read of the gradient shard per step.
+  bool report_grad_norm = false;
+  //! Dynamic loss scaling. Unset: on for fp16 working parameters, off otherwise.
+  std::optional<loss_scale_options> loss_scale;
+  //! Turn dynamic loss scaling off even for fp16.
+  bool disable_loss_scale = false;
+
+  //! Hybrid sharding (stages 1-3; FSDP's HYBRID_SHARD, ZeRO++'s hpZ): shard within groups of
+  //! this many consecutive ranks and replicate across the N / G groups. Gradients are
+  //! reduce-scattered inside the shard group and their shard all-reduced across the replicas;
+  //! parameters are gathered inside the shard group. 0 (or N) = shard over all ranks. Needs a
+  //! communicator with split(); N must be a multiple of G.
+  std::size_t shard_group_size = 0;
+
+  //! Device engines (a communicator of device memory, zero/engine_cuda.cuh): the stream the
+  //! engine's kernels, allocations and frees run on (nullptr = the legacy default stream). The
+  //! engine passes it to a communicator that has set_compute_stream. Ignored on the host.
+  device_stream compute_stream = nullptr;
+};
+
+SHARDKIT_NAMESPACE_END
