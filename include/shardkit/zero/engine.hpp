@@ -60,6 +60,7 @@
 #include <shardkit/zero/accounting.hpp>
 #include <shardkit/zero/collective_log.hpp>
 #include <shardkit/zero/engine_options.hpp>
+#include <shardkit/zero/engine_reports.hpp>
 #include <shardkit/zero/full_grads.hpp>
 #include <shardkit/zero/model.hpp>
 #include <shardkit/zero/policies.hpp>
@@ -97,7 +98,7 @@ struct engine_parts {
 
 template <communicator Comm, class Policies = zero0, float_storage Working = bf16,
           optimizer_policy Optimizer = adamw, float_storage Grad = Working>
-class engine {
+class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, Grad>> {
   static_assert(is_policy_set<Policies>,
                 "shardkit::engine<Comm, Policies, ...>: Policies must be shardkit::policies<...> "
                 "(or one of the aliases zero0, zero1, zero2, zero3, stage<N>)");
@@ -146,9 +147,11 @@ class engine {
   engine(Comm& comm, const model_spec& model, param_groups<optimizer_options> groups,
          engine_options options = {})
       : registry_(model),
-        options_(checked(options, comm, registry_, groups)),
+        options_(detail::checked_engine_options<Optimizer>(
+            options, stage, comm.rank(), comm.size(), registry_,
+            std::span<const optimizer_options>(groups.options))),
         ops_(options.compute_stream, comm_orders_by_stream),
-        control_(control_options(options), ops_),
+        control_(detail::control_options(options, std::is_same_v<Working, fp16>), ops_),
         topology_(stream_set(comm, options.compute_stream),
                   stage == 0 ? 0 : options.shard_group_size),
         layout_(make_layout()),
@@ -420,57 +423,8 @@ class engine {
   control_component& control() noexcept { return control_; }
   const control_component& control() const noexcept { return control_; }
   topology<Comm>& topo() noexcept { return topology_; }
+  const topology<Comm>& topo() const noexcept { return topology_; }
   const param_registry& registry() const noexcept { return registry_; }
-
-  //! Model-state bytes per rank that zero/accounting.hpp predicts for this configuration.
-  accounting::state_bytes expected_state_bytes() const noexcept {
-    return accounting::model_state_bytes(
-        stage, layout_.numel(), static_cast<std::uint64_t>(topology_.shard_size()),
-        stage == 0 ? layout_.numel() : layout_.shard_numel(), precision());
-  }
-  //! Data bytes per rank per step (one micro-batch) that zero/accounting.hpp predicts for this
-  //! configuration.
-  std::uint64_t expected_step_bytes_sent() const noexcept {
-    accounting::step_shape s;
-    s.stage = stage;
-    s.ranks = static_cast<std::uint64_t>(topology_.ranks());
-    s.shard_ranks = stage == 0 ? 1 : static_cast<std::uint64_t>(topology_.shard_size());
-    s.psi = layout_.numel();
-    s.shard = stage == 0 ? layout_.numel() : layout_.shard_numel();
-    s.grad_bytes = sizeof(Grad);
-    s.working_bytes = sizeof(Working);
-    auto group = [&](std::size_t g) {
-      const auto& ge = layout_.group(g);
-      accounting::group_shape x{ge.numel, ge.shard, false, true};
-      if constexpr (shards_params) {
-        x.persistent = params_.persistent(g);
-        x.reshard_after_forward = params_.reshard_after_forward(g);
-      }
-      return x;
-    };
-    return accounting::step_bytes_sent(s, layout_.num_groups(), group,
-                                       static_cast<std::uint64_t>(topology_.rank()));
-  }
-  //! ZeRO-3: the most gathered-parameter bytes the schedule may hold at once:
-  //! w·(min(1 + prefetch, transient units)·largest non-persistent unit + persistent units +
-  //! units kept from forward to backward), each unit at its padded size N·S_u, and at most
-  //! max_live_elems·w when set. 0 in stages 0-2.
-  std::uint64_t gathered_bytes_bound() const noexcept {
-    if constexpr (shards_params)
-      return params_.live_bound_elems() * sizeof(Working);
-    else
-      return 0;
-  }
-  //! Model-state bytes held now, measured by the ledger.
-  accounting::state_bytes measured_state_bytes() const noexcept {
-    return {memory_.current(memory_category::working_params),
-            memory_.current(memory_category::grads),
-            memory_.current(memory_category::master_params),
-            memory_.current(memory_category::optimizer_moments)};
-  }
-  static constexpr accounting::precision precision() noexcept {
-    return {sizeof(Working), sizeof(Grad), has_master ? 4u : 0u, 4 * Optimizer::state_count};
-  }
 
   //! This rank's fp32 master shard (S elements in shard order: layout().pieces(rank) maps them
   //! to parameters). Only with 16-bit working parameters; in fp32 the working copy is the
@@ -507,71 +461,6 @@ class engine {
   }
 
  private:
-  // Validates what must hold before any collective (the topology's splits): a rank that
-  // fails here fails before the others wait for it.
-  static const engine_options& checked(const engine_options& o, const Comm& comm,
-                                       const param_registry& reg,
-                                       const param_groups<optimizer_options>& groups) {
-    if (o.grad_buffers == 0) {
-      detail::raise("engine: engine_options::grad_buffers must be at least 1, got 0");
-    }
-    if (o.alignment == 0) {
-      detail::raise("engine: engine_options::alignment must be at least 1 element, got 0");
-    }
-    if (comm.size() < 1 || comm.rank() < 0 || comm.rank() >= comm.size()) {
-      detail::raise("engine: communicator reports rank ", comm.rank(), " of ", comm.size());
-    }
-    if (groups.options.empty()) {
-      detail::raise("engine: at least one set of optimizer options is needed");
-    }
-    for (std::size_t i = 0; i < reg.size(); ++i) {
-      if (reg.param_group(i) >= groups.options.size()) {
-        detail::raise("engine: parameter '", reg.name(i), "' is in parameter group ",
-                      reg.param_group(i), " but only ", groups.options.size(),
-                      " set(s) of optimizer options were given");
-      }
-    }
-    if (stage == 0 && o.shard_group_size != 0 &&
-        o.shard_group_size != static_cast<std::size_t>(comm.size())) {
-      detail::raise("engine: engine_options::shard_group_size = ", o.shard_group_size,
-                    " but stage 0 shards nothing; hybrid sharding applies to stages 1-3");
-    }
-    if (stage != 0 && o.shard_group_size != 0 &&
-        static_cast<std::size_t>(comm.size()) % o.shard_group_size != 0) {
-      detail::raise("engine: engine_options::shard_group_size = ", o.shard_group_size,
-                    " does not divide the ", comm.size(),
-                    " ranks (every shard group must have the same size)");
-    }
-    // The optimizer's own checks, before the collectives too.
-    for (std::size_t g = 0; g < groups.options.size(); ++g) {
-      const auto& opt = groups.options[g];
-      if (!std::isfinite(opt.lr) || opt.lr < 0.0f) {
-        detail::raise("engine: learning rate of parameter group ", g,
-                      " must be finite and non-negative, got ", opt.lr);
-      }
-      if constexpr (requires { Optimizer::validate(opt); }) {
-        try {
-          Optimizer::validate(opt);
-        } catch (const invalid_argument& e) {
-          detail::raise("engine: ", e.what(), " (parameter group ", g, ")");
-        }
-      }
-    }
-    return o;
-  }
-
-  static step_control_options control_options(const engine_options& o) {
-    step_control_options c;
-    c.clip_grad_norm = o.clip_grad_norm;
-    c.clip_norm = o.clip_norm;
-    c.report_grad_norm = o.report_grad_norm;
-    c.loss_scale = o.loss_scale;
-    c.disable_loss_scale = o.disable_loss_scale;
-    c.fp16 = std::is_same_v<Working, fp16>;
-    c.check_schedule = o.check_schedule;
-    return c;
-  }
-
   static Comm& stream_set(Comm& comm, device_stream s) {
     if constexpr (!on_host && comm_orders_by_stream) comm.set_compute_stream(s);
     (void)s;

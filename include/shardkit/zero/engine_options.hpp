@@ -9,10 +9,15 @@
 
 #include <shardkit/config.hpp>
 #include <shardkit/core/device.hpp>
+#include <shardkit/core/error.hpp>
+#include <shardkit/kernels/math.hpp>
+#include <shardkit/zero/registry.hpp>
+#include <shardkit/zero/shard_optimizer.hpp>
 #include <shardkit/zero/step_control.hpp>
 
 #include <cstddef>
 #include <optional>
+#include <span>
 
 SHARDKIT_NAMESPACE_BEGIN
 
@@ -75,5 +80,55 @@ struct engine_options {
   //! engine passes it to a communicator that has set_compute_stream. Ignored on the host.
   device_stream compute_stream = nullptr;
 };
+
+namespace detail {
+
+//! Checks what must hold before an engine issues any collective (a hybrid topology's splits),
+//! so that a rank that fails fails before the others wait for it: the options, the rank, the
+//! optimizer's parameter groups and their hyper-parameters. Returns `o`.
+template <optimizer_policy Opt>
+const engine_options& checked_engine_options(const engine_options& o, int stage, int rank,
+                                             int ranks, const param_registry& reg,
+                                             std::span<const typename Opt::options> groups) {
+  if (o.grad_buffers == 0) raise("engine: engine_options::grad_buffers must be at least 1, got 0");
+  if (o.alignment == 0) {
+    raise("engine: engine_options::alignment must be at least 1 element, got 0");
+  }
+  if (ranks < 1 || rank < 0 || rank >= ranks) {
+    raise("engine: communicator reports rank ", rank, " of ", ranks);
+  }
+  validate_optimizer_groups<Opt>(groups, "engine");
+  for (std::size_t i = 0; i < reg.size(); ++i) {
+    if (reg.param_group(i) >= groups.size()) {
+      raise("engine: parameter '", reg.name(i), "' is in parameter group ", reg.param_group(i),
+            " but only ", groups.size(), " set(s) of optimizer options were given");
+    }
+  }
+  const std::size_t g = o.shard_group_size;
+  if (stage == 0 && g != 0 && g != static_cast<std::size_t>(ranks)) {
+    raise("engine: engine_options::shard_group_size = ", g,
+          " but stage 0 shards nothing; hybrid sharding applies to stages 1-3");
+  }
+  if (stage != 0 && g != 0 && static_cast<std::size_t>(ranks) % g != 0) {
+    raise("engine: engine_options::shard_group_size = ", g, " does not divide the ", ranks,
+          " ranks (every shard group must have the same size)");
+  }
+  return o;
+}
+
+//! The step_control settings among the engine's options.
+inline step_control_options control_options(const engine_options& o, bool fp16_working) {
+  step_control_options c;
+  c.clip_grad_norm = o.clip_grad_norm;
+  c.clip_norm = o.clip_norm;
+  c.report_grad_norm = o.report_grad_norm;
+  c.loss_scale = o.loss_scale;
+  c.disable_loss_scale = o.disable_loss_scale;
+  c.fp16 = fp16_working;
+  c.check_schedule = o.check_schedule;
+  return c;
+}
+
+}  // namespace detail
 
 SHARDKIT_NAMESPACE_END

@@ -50,6 +50,28 @@ struct param_groups {
   std::vector<Options> options;
 };
 
+//! Raises invalid_argument naming `who` and the group unless every group's options are valid:
+//! at least one group, a finite non-negative learning rate, and the optimizer's own
+//! Opt::validate (kernels/math.hpp) where it has one.
+template <optimizer_policy Opt>
+void validate_optimizer_groups(std::span<const typename Opt::options> groups, const char* who) {
+  if (groups.empty()) detail::raise(who, ": at least one set of optimizer options is needed");
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const auto& o = groups[g];
+    if (!std::isfinite(o.lr) || o.lr < 0.0f) {
+      detail::raise(who, ": learning rate of parameter group ", g,
+                    " must be finite and non-negative, got ", o.lr);
+    }
+    if constexpr (requires { Opt::validate(o); }) {
+      try {
+        Opt::validate(o);
+      } catch (const invalid_argument& e) {
+        detail::raise(who, ": ", e.what(), " (parameter group ", g, ")");
+      }
+    }
+  }
+}
+
 template <memory_space Space, optimizer_policy Opt, float_storage Working = bf16,
           float_storage Grad = Working>
 class shard_optimizer {
@@ -84,7 +106,7 @@ class shard_optimizer {
       detail::raise("shard_optimizer: ", param_group.size(), " parameter groups given for ",
                     layout.num_params(), " parameters");
     }
-    validate_groups();
+    validate_optimizer_groups<Opt>(groups_, "shard_optimizer");
     for (std::size_t i = 0; i < param_group.size(); ++i) {
       if (param_group[i] >= groups_.size()) {
         detail::raise("shard_optimizer: parameter #", i, " is in parameter group ", param_group[i],
@@ -262,26 +284,6 @@ class shard_optimizer {
   };
   static std::size_t offset(flat_coords c, const run& r) noexcept {
     return c == flat_coords::full ? r.full_offset : r.shard_offset;
-  }
-
-  void validate_groups() const {
-    if (groups_.empty()) {
-      detail::raise("shard_optimizer: at least one set of optimizer options is needed");
-    }
-    for (std::size_t g = 0; g < groups_.size(); ++g) {
-      const auto& o = groups_[g];
-      if (!std::isfinite(o.lr) || o.lr < 0.0f) {
-        detail::raise("shard_optimizer: learning rate of parameter group ", g,
-                      " must be finite and non-negative, got ", o.lr);
-      }
-      if constexpr (requires { Opt::validate(o); }) {
-        try {
-          Opt::validate(o);
-        } catch (const invalid_argument& e) {
-          detail::raise("shard_optimizer: ", e.what(), " (parameter group ", g, ")");
-        }
-      }
-    }
   }
 
   const flat_layout* layout_;
