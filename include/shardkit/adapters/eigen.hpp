@@ -23,9 +23,9 @@
 #include <ranges>
 #include <type_traits>
 
-SHARDKIT_NAMESPACE_BEGIN
+SHARDKIT_CORE_NAMESPACE_BEGIN
 
-namespace detail {
+namespace core_detail {
 // Eigen::Matrix and Eigen::Array: they own one contiguous block.
 template <class T>
 concept eigen_plain = requires {
@@ -45,14 +45,14 @@ template <class T>
 concept eigen_contiguous =
     (eigen_plain<T> || is_contiguous_eigen_map<T>::value) && element_type<typename T::Scalar> &&
     !(std::ranges::contiguous_range<T> && std::ranges::sized_range<T>);
-}  // namespace detail
+}  // namespace core_detail
 
 //! Eigen dense objects whose elements form one contiguous block (Matrix, Array, and Map with the
 //! default stride, of an element type shardkit knows) are host tensors with a static element
 //! type. A Map of const elements is read-only. Blocks, Refs and strided Maps are not tensors:
 //! copy them into a Matrix (`Eigen::MatrixXf m = expr;`) first.
 template <class T>
-requires detail::eigen_contiguous<T>
+requires core_detail::eigen_contiguous<T>
 struct tensor_traits<T> {
   using memory_space = host_space;
   using value_type = typename T::Scalar;
@@ -78,7 +78,7 @@ auto eigen_map(tensor_view<T> v, Eigen::Index rows, Eigen::Index cols) {
                 "shardkit::eigen_map: Order is Eigen::ColMajor or Eigen::RowMajor");
   if (rows < 0 || cols < 0 ||
       static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols) != v.size()) {
-    detail::raise<invalid_argument>("eigen_map: a ", rows, " x ", cols,
+    core_detail::raise<invalid_argument>("eigen_map: a ", rows, " x ", cols,
                                     " matrix does not cover the view's ", v.size(), " elements");
   }
   using matrix = Eigen::Matrix<U, Eigen::Dynamic, Eigen::Dynamic, Order>;
@@ -98,4 +98,4 @@ auto eigen_map(tensor_view<T> v) {
   return Eigen::Map<mapped>(v.data(), static_cast<Eigen::Index>(v.size()));
 }
 
-SHARDKIT_NAMESPACE_END
+SHARDKIT_CORE_NAMESPACE_END

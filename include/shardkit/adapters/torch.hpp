@@ -37,7 +37,7 @@
 #include <utility>
 #include <vector>
 
-SHARDKIT_NAMESPACE_BEGIN
+SHARDKIT_CORE_NAMESPACE_BEGIN
 
 // ---- element types -------------------------------------------------------------------------
 
@@ -60,7 +60,7 @@ inline dtype dtype_from_torch(c10::ScalarType t) {
     case c10::ScalarType::Byte:
       return dtype::u8;
     default:
-      detail::raise<invalid_argument>(
+      core_detail::raise<invalid_argument>(
           "torch tensors of ", c10::toString(t),
           " elements have no shardkit element type (expected Float, BFloat16, Half, Double, Int, "
           "Long or Byte)");
@@ -85,12 +85,12 @@ inline c10::ScalarType torch_scalar_type(dtype d) {
     case dtype::u8:
       return c10::ScalarType::Byte;
     default:
-      detail::raise<invalid_argument>("shardkit ", name(d),
+      core_detail::raise<invalid_argument>("shardkit ", name(d),
                                       " elements have no LibTorch scalar type");
   }
 }
 
-namespace detail {
+namespace core_detail {
 template <class T>
 constexpr c10::ScalarType torch_scalar_type_for() {
   using U = std::remove_cv_t<T>;
@@ -113,12 +113,12 @@ constexpr c10::ScalarType torch_scalar_type_for() {
     return c10::ScalarType::Byte;
   }
 }
-}  // namespace detail
+}  // namespace core_detail
 
 //! The torch scalar type of a static element type (float -> Float, bf16 -> BFloat16, fp16 ->
 //! Half, ...). shardkit::bf16 and fp16 have the bit layout of c10::BFloat16 and c10::Half.
 template <element_type T>
-inline constexpr c10::ScalarType torch_scalar_type_of = detail::torch_scalar_type_for<T>();
+inline constexpr c10::ScalarType torch_scalar_type_of = core_detail::torch_scalar_type_for<T>();
 
 static_assert(sizeof(bf16) == sizeof(c10::BFloat16) && sizeof(fp16) == sizeof(c10::Half));
 
@@ -127,11 +127,11 @@ static_assert(sizeof(bf16) == sizeof(c10::BFloat16) && sizeof(fp16) == sizeof(c1
 inline memory_kind torch_memory_kind(c10::Device d) {
   if (d.is_cpu()) return memory_kind::host;
   if (d.is_cuda()) return memory_kind::cuda;
-  detail::raise<invalid_argument>("a torch tensor on device '", d.str(),
+  core_detail::raise<invalid_argument>("a torch tensor on device '", d.str(),
                                   "': shardkit knows host (CPU) and cuda memory only");
 }
 
-namespace detail {
+namespace core_detail {
 
 inline void require_defined_torch(const at::Tensor& t) {
   if (!t.defined()) {
@@ -178,7 +178,7 @@ inline std::int64_t numel_of(at::IntArrayRef shape) {
   return n;
 }
 
-}  // namespace detail
+}  // namespace core_detail
 
 // ---- torch::Tensor as a shardkit tensor -------------------------------------------------------
 
@@ -189,19 +189,19 @@ inline std::int64_t numel_of(at::IntArrayRef shape) {
 template <>
 struct tensor_traits<at::Tensor> {
   static memory_kind memory(const at::Tensor& t) {
-    detail::require_defined_torch(t);
+    core_detail::require_defined_torch(t);
     return torch_memory_kind(t.device());
   }
   static shardkit::dtype dtype(const at::Tensor& t) {
-    detail::require_defined_torch(t);
+    core_detail::require_defined_torch(t);
     return dtype_from_torch(t.scalar_type());
   }
   static void* data(at::Tensor& t) {
-    detail::require_flat_torch(t);
+    core_detail::require_flat_torch(t);
     return t.data_ptr();
   }
   static const void* data(const at::Tensor& t) {
-    detail::require_flat_torch(t);
+    core_detail::require_flat_torch(t);
     return t.data_ptr();
   }
   static std::size_t size(const at::Tensor& t) {
@@ -215,7 +215,7 @@ struct tensor_traits<at::Tensor> {
 //! shardkit's memory (or no memory, while unbound).
 inline bool torch_is_bound(const at::Tensor& t) {
   return t.defined() && t.has_storage() &&
-         t.storage().data_ptr().get_deleter() == &detail::torch_shardkit_memory;
+         t.storage().data_ptr().get_deleter() == &core_detail::torch_shardkit_memory;
 }
 
 //! A CPU torch tensor of `shape` over the elements of `v`, without a copy: writes through either
@@ -227,12 +227,12 @@ at::Tensor torch_view(tensor_view<T> v, at::IntArrayRef shape) {
   static_assert(!std::is_const_v<T>,
                 "shardkit::torch_view: torch has no read-only tensors; pass a view of mutable "
                 "elements (engine::param(i) on a non-const engine)");
-  const std::int64_t n = detail::numel_of(shape);
+  const std::int64_t n = core_detail::numel_of(shape);
   if (static_cast<std::size_t>(n) != v.size()) {
-    detail::raise<invalid_argument>("torch_view: shape ", shape, " holds ", n,
+    core_detail::raise<invalid_argument>("torch_view: shape ", shape, " holds ", n,
                                     " elements, the view has ", v.size());
   }
-  return detail::torch_over(v.data(), shape, torch_scalar_type_of<T>);
+  return core_detail::torch_over(v.data(), shape, torch_scalar_type_of<T>);
 }
 
 //! A 1-D torch tensor over all elements of `v` (see the other overload).
@@ -255,23 +255,23 @@ void torch_bind(const at::Tensor& t, tensor_view<T> v) {
   static_assert(!std::is_const_v<T>,
                 "shardkit::torch_bind: torch has no read-only tensors; pass a view of mutable "
                 "elements (engine::param(i) on a non-const engine)");
-  detail::require_defined_torch(t);
+  core_detail::require_defined_torch(t);
   if (!t.device().is_cpu()) {
-    detail::raise<invalid_argument>("torch_bind: the tensor is on ", t.device().str(),
+    core_detail::raise<invalid_argument>("torch_bind: the tensor is on ", t.device().str(),
                                     "; the host engine's memory can back CPU tensors only");
   }
   if (static_cast<std::size_t>(t.numel()) != v.size()) {
-    detail::raise<invalid_argument>("torch_bind: a tensor of shape ", t.sizes(), " (", t.numel(),
+    core_detail::raise<invalid_argument>("torch_bind: a tensor of shape ", t.sizes(), " (", t.numel(),
                                     " elements) cannot alias a view of ", v.size(), " elements");
   }
   const c10::ScalarType type = torch_scalar_type_of<T>;
   if (torch_is_bound(t) && t.scalar_type() == type && t.is_contiguous() &&
       t.storage_offset() == 0) {
-    t.storage().set_data_ptr_noswap(detail::torch_data_ptr(v.data()));
+    t.storage().set_data_ptr_noswap(core_detail::torch_data_ptr(v.data()));
     return;
   }
   at::NoGradGuard no_grad;
-  t.set_data(detail::torch_over(v.data(), t.sizes(), type));
+  t.set_data(core_detail::torch_over(v.data(), t.sizes(), type));
 }
 
 //! Points a bound tensor's storage at no memory (a null data pointer), so that a use after the
@@ -279,13 +279,13 @@ void torch_bind(const at::Tensor& t, tensor_view<T> v) {
 //! that is not bound drops its own storage the same way (torch frees it) and keeps its shape,
 //! element type and autograd identity; torch_bind gives it memory again.
 inline void torch_unbind(const at::Tensor& t) {
-  detail::require_defined_torch(t);
+  core_detail::require_defined_torch(t);
   if (torch_is_bound(t) && t.is_contiguous() && t.storage_offset() == 0) {
-    t.storage().set_data_ptr_noswap(detail::torch_data_ptr(nullptr));
+    t.storage().set_data_ptr_noswap(core_detail::torch_data_ptr(nullptr));
     return;
   }
   at::NoGradGuard no_grad;
-  t.set_data(detail::torch_over(nullptr, t.sizes(), t.scalar_type()));
+  t.set_data(core_detail::torch_over(nullptr, t.sizes(), t.scalar_type()));
 }
 
 // ---- driving the unit hooks from a torch model -------------------------------------------------
@@ -335,7 +335,7 @@ class torch_hooks {
   //! match the engine's parameters; each tensor must be a CPU leaf.
   torch_hooks(Engine& eng, std::vector<std::vector<at::Tensor>> unit_params) : eng_(eng) {
     if (unit_params.size() != eng.num_units()) {
-      detail::raise<invalid_argument>("torch_hooks: ", unit_params.size(),
+      core_detail::raise<invalid_argument>("torch_hooks: ", unit_params.size(),
                                       " lists of parameters for an engine of ", eng.num_units(),
                                       " units");
     }
@@ -345,7 +345,7 @@ class torch_hooks {
       units_[u].first = index;
       for (auto& t : unit_params[u]) {
         if (index >= eng.num_params()) {
-          detail::raise<invalid_argument>("torch_hooks: more torch parameters than the engine's ",
+          core_detail::raise<invalid_argument>("torch_hooks: more torch parameters than the engine's ",
                                           eng.num_params());
         }
         check_param(t, u, index);
@@ -355,7 +355,7 @@ class torch_hooks {
       }
     }
     if (index != eng.num_params()) {
-      detail::raise<invalid_argument>("torch_hooks: ", index, " torch parameters for the engine's ",
+      core_detail::raise<invalid_argument>("torch_hooks: ", index, " torch parameters for the engine's ",
                                       eng.num_params());
     }
     // Give the module's parameters the engine's memory (ZeRO-3: none until a unit is gathered).
@@ -363,7 +363,7 @@ class torch_hooks {
       if constexpr (Engine::shards_params) {
         for (auto& t : units_[u].params) {
           at::NoGradGuard no_grad;
-          t.set_data(detail::torch_over(nullptr, t.sizes(), torch_scalar_type_of<working>));
+          t.set_data(core_detail::torch_over(nullptr, t.sizes(), torch_scalar_type_of<working>));
         }
       } else {
         bind(u);
@@ -430,7 +430,7 @@ class torch_hooks {
   std::size_t param_index(std::size_t u, std::size_t k) const {
     check_unit(u, "param_index");
     if (k >= units_[u].params.size()) {
-      detail::raise<invalid_argument>("torch_hooks::param_index: unit ", u, " has ",
+      core_detail::raise<invalid_argument>("torch_hooks::param_index: unit ", u, " has ",
                                       units_[u].params.size(), " parameters, asked for #", k);
     }
     return units_[u].first + k;
@@ -456,22 +456,22 @@ class torch_hooks {
   void check_param(const at::Tensor& t, std::size_t u, std::size_t i) const {
     const std::string& name = eng_.param_name(i);
     if (!t.defined() || !t.device().is_cpu()) {
-      detail::raise<invalid_argument>(
+      core_detail::raise<invalid_argument>(
           "torch_hooks: the torch parameter for '", name, "' is ",
           t.defined() ? "on " + t.device().str() : std::string("undefined"),
           "; the host engine needs CPU tensors");
     }
     if (!t.is_leaf()) {
-      detail::raise<invalid_argument>("torch_hooks: the torch tensor for '", name,
+      core_detail::raise<invalid_argument>("torch_hooks: the torch tensor for '", name,
                                       "' is not a leaf (a parameter), it is computed by autograd");
     }
     if (eng_.unit_of(i) != u) {
-      detail::raise<invalid_argument>("torch_hooks: the engine has parameter '", name, "' in unit ",
+      core_detail::raise<invalid_argument>("torch_hooks: the engine has parameter '", name, "' in unit ",
                                       eng_.unit_of(i), ", the torch lists in unit ", u);
     }
     const std::size_t n = eng_.layout().param(i).numel;
     if (static_cast<std::size_t>(t.numel()) != n) {
-      detail::raise<invalid_argument>("torch_hooks: the torch parameter for '", name,
+      core_detail::raise<invalid_argument>("torch_hooks: the torch parameter for '", name,
                                       "' has shape ", t.sizes(), " (", t.numel(),
                                       " elements), the engine's has ", n);
     }
@@ -479,7 +479,7 @@ class torch_hooks {
 
   void check_unit(std::size_t u, const char* what) const {
     if (u >= units_.size()) {
-      detail::raise<invalid_argument>("torch_hooks::", what, ": unit ", u, " out of range (",
+      core_detail::raise<invalid_argument>("torch_hooks::", what, ": unit ", u, " out of range (",
                                       units_.size(), " units)");
     }
   }
@@ -507,7 +507,7 @@ class torch_hooks {
     drop_kept_grad();
     auto& x = units_[u];
     if (!x.in_backward) {
-      detail::raise<usage_error>("torch_hooks: the gradient of '", eng_.param_name(i),
+      core_detail::raise<usage_error>("torch_hooks: the gradient of '", eng_.param_name(i),
                                  "' arrived outside the backward of unit ", u,
                                  ": its parameters must be used only inside torch_hooks::forward(",
                                  u, ", ...), whose output must reach the loss");
@@ -519,7 +519,7 @@ class torch_hooks {
       // staging buffer this one needs. Say which.
       const std::string waiting = waiting_for(u);
       if (waiting.empty()) throw;
-      detail::raise<usage_error>(e.what(), ". torch_hooks: ", waiting);
+      core_detail::raise<usage_error>(e.what(), ". torch_hooks: ", waiting);
     }
     kept_ = x.params[k];  // autograd stores `grad` in its .grad after this hook returns
     x.got[k] = 1;
@@ -567,4 +567,4 @@ class torch_hooks {
   at::Tensor kept_;  // the parameter whose .grad autograd filled last
 };
 
-SHARDKIT_NAMESPACE_END
+SHARDKIT_CORE_NAMESPACE_END

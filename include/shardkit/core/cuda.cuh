@@ -22,9 +22,9 @@ static_assert(std::is_same_v<::shardkit::device_stream, cudaStream_t>,
 static_assert(std::is_same_v<::shardkit::device_event, cudaEvent_t>,
               "shardkit::device_event must be cudaEvent_t");
 
-SHARDKIT_NAMESPACE_BEGIN
+SHARDKIT_CORE_NAMESPACE_BEGIN
 
-namespace detail {
+namespace core_detail {
 
 //! Raises cuda_error naming `what` unless `e` is cudaSuccess.
 inline void cuda_check(cudaError_t e, std::string_view what) {
@@ -48,7 +48,7 @@ inline void check_launch(std::string_view kernel, std::size_t grid, std::size_t 
   }
 }
 
-}  // namespace detail
+}  // namespace core_detail
 
 //! Number of CUDA devices this process can use; 0 when there is none or no driver (any error
 //! of cudaGetDeviceCount counts as none, and is cleared).
@@ -64,7 +64,7 @@ inline int cuda_device_count() noexcept {
 //! The calling thread's current device.
 inline int cuda_current_device() {
   int d = 0;
-  detail::cuda_check(cudaGetDevice(&d), "cudaGetDevice");
+  core_detail::cuda_check(cudaGetDevice(&d), "cudaGetDevice");
   return d;
 }
 
@@ -76,7 +76,7 @@ inline int cuda_sm_count(int device) {
     if (c != 0) return c;
   }
   int n = 0;
-  detail::cuda_check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
+  core_detail::cuda_check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
                      "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
   if (device >= 0 && device < static_cast<int>(cache.size())) {
     cache[static_cast<std::size_t>(device)].store(n, std::memory_order_relaxed);
@@ -93,7 +93,7 @@ inline int cuda_sm_count() {
 class cuda_device_guard {
  public:
   explicit cuda_device_guard(int device) : previous_(cuda_current_device()) {
-    if (device != previous_) detail::cuda_check(cudaSetDevice(device), "cudaSetDevice");
+    if (device != previous_) core_detail::cuda_check(cudaSetDevice(device), "cudaSetDevice");
     changed_ = device != previous_;
   }
   cuda_device_guard(const cuda_device_guard&) = delete;
@@ -111,7 +111,7 @@ class cuda_device_guard {
 class cuda_stream {
  public:
   cuda_stream() {
-    detail::cuda_check(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking),
+    core_detail::cuda_check(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking),
                        "cudaStreamCreateWithFlags");
   }
   cuda_stream(cuda_stream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
@@ -130,7 +130,7 @@ class cuda_stream {
   operator cudaStream_t() const noexcept { return s_; }  // NOLINT(google-explicit-constructor)
   //! Blocks the host until the stream's work is done.
   void synchronize() const {
-    detail::cuda_check(cudaStreamSynchronize(s_), "cudaStreamSynchronize");
+    core_detail::cuda_check(cudaStreamSynchronize(s_), "cudaStreamSynchronize");
   }
 
  private:
@@ -145,7 +145,7 @@ class cuda_stream {
 class cuda_event {
  public:
   explicit cuda_event(bool timing = false) {
-    detail::cuda_check(
+    core_detail::cuda_check(
         cudaEventCreateWithFlags(&e_, timing ? cudaEventDefault : cudaEventDisableTiming),
         "cudaEventCreateWithFlags");
   }
@@ -163,19 +163,19 @@ class cuda_event {
 
   cudaEvent_t get() const noexcept { return e_; }
   //! Captures the work enqueued on `s` so far.
-  void record(cudaStream_t s) { detail::cuda_check(cudaEventRecord(e_, s), "cudaEventRecord"); }
+  void record(cudaStream_t s) { core_detail::cuda_check(cudaEventRecord(e_, s), "cudaEventRecord"); }
   //! Makes later work on `s` wait for the captured work (no host blocking).
   void wait_on(cudaStream_t s) const {
-    detail::cuda_check(cudaStreamWaitEvent(s, e_, 0), "cudaStreamWaitEvent");
+    core_detail::cuda_check(cudaStreamWaitEvent(s, e_, 0), "cudaStreamWaitEvent");
   }
   //! True when the captured work is done.
   bool query() const {
     const cudaError_t e = cudaEventQuery(e_);
     if (e == cudaErrorNotReady) return false;
-    detail::cuda_check(e, "cudaEventQuery");
+    core_detail::cuda_check(e, "cudaEventQuery");
     return true;
   }
-  void synchronize() const { detail::cuda_check(cudaEventSynchronize(e_), "cudaEventSynchronize"); }
+  void synchronize() const { core_detail::cuda_check(cudaEventSynchronize(e_), "cudaEventSynchronize"); }
 
  private:
   void reset() noexcept {
@@ -185,4 +185,4 @@ class cuda_event {
   cudaEvent_t e_ = nullptr;
 };
 
-SHARDKIT_NAMESPACE_END
+SHARDKIT_CORE_NAMESPACE_END

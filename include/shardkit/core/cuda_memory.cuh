@@ -20,15 +20,15 @@
 
 #include <cstddef>
 
-SHARDKIT_NAMESPACE_BEGIN
+SHARDKIT_CORE_NAMESPACE_BEGIN
 
 //! The default resource: CUDA's stream-ordered allocator on the current device's default pool.
 class cuda_async_resource final : public device_memory_resource {
  public:
   void* allocate(std::size_t bytes, device_stream stream) override {
     void* p = nullptr;
-    detail::cuda_check(cudaMallocAsync(&p, bytes, stream),
-                       detail::concat("cudaMallocAsync of ", bytes, " bytes"));
+    core_detail::cuda_check(cudaMallocAsync(&p, bytes, stream),
+                       core_detail::concat("cudaMallocAsync of ", bytes, " bytes"));
     return p;
   }
   void deallocate(void* p, std::size_t, device_stream stream) noexcept override {
@@ -42,19 +42,19 @@ class cuda_malloc_resource final : public device_memory_resource {
  public:
   void* allocate(std::size_t bytes, device_stream) override {
     void* p = nullptr;
-    detail::cuda_check(cudaMalloc(&p, bytes), detail::concat("cudaMalloc of ", bytes, " bytes"));
+    core_detail::cuda_check(cudaMalloc(&p, bytes), core_detail::concat("cudaMalloc of ", bytes, " bytes"));
     return p;
   }
   void deallocate(void* p, std::size_t, device_stream) noexcept override { (void)cudaFree(p); }
   const char* name() const noexcept override { return "cuda_malloc"; }
 };
 
-namespace detail {
+namespace core_detail {
 inline cuda_async_resource& default_device_resource() noexcept {
   static cuda_async_resource r;
   return r;
 }
-}  // namespace detail
+}  // namespace core_detail
 
 //! Device memory for buffer<T, cuda_space>: the installed resource (default cudaMallocAsync),
 //! ordered on current_device_stream(). zero() raises cuda_error when cudaMemsetAsync fails (from
@@ -64,17 +64,17 @@ template <>
 struct space_allocator<cuda_space> {
   static constexpr std::size_t alignment = 256;
   static void* allocate(std::size_t bytes) {
-    return detail::allocate_device_bytes(detail::default_device_resource(), bytes,
+    return core_detail::allocate_device_bytes(core_detail::default_device_resource(), bytes,
                                          current_device_stream());
   }
   static void deallocate(void* p, std::size_t bytes) noexcept {
-    detail::deallocate_device_bytes(detail::default_device_resource(), p, bytes,
+    core_detail::deallocate_device_bytes(core_detail::default_device_resource(), p, bytes,
                                     current_device_stream());
   }
   static void zero(void* p, std::size_t bytes) {
     if (bytes == 0) return;
-    detail::cuda_check(cudaMemsetAsync(p, 0, bytes, current_device_stream()),
-                       detail::concat("cudaMemsetAsync of ", bytes, " bytes"));
+    core_detail::cuda_check(cudaMemsetAsync(p, 0, bytes, current_device_stream()),
+                       core_detail::concat("cudaMemsetAsync of ", bytes, " bytes"));
   }
 };
 
@@ -82,8 +82,8 @@ struct space_allocator<cuda_space> {
 //! without waiting.
 inline void copy_bytes_async(void* dst, const void* src, std::size_t bytes, device_stream stream) {
   if (bytes == 0 || dst == src) return;
-  detail::cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream),
-                     detail::concat("cudaMemcpyAsync of ", bytes, " bytes"));
+  core_detail::cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream),
+                     core_detail::concat("cudaMemcpyAsync of ", bytes, " bytes"));
 }
 
 //! Copies `n` elements between any two memories and waits for the copy (and everything before it
@@ -91,7 +91,7 @@ inline void copy_bytes_async(void* dst, const void* src, std::size_t bytes, devi
 template <class T>
 void copy_elements(T* dst, const T* src, std::size_t n, device_stream stream = nullptr) {
   copy_bytes_async(dst, src, n * sizeof(T), stream);
-  detail::cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  core_detail::cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
 }
 
-SHARDKIT_NAMESPACE_END
+SHARDKIT_CORE_NAMESPACE_END

@@ -20,7 +20,7 @@
 struct CUstream_st;
 struct CUevent_st;
 
-SHARDKIT_NAMESPACE_BEGIN
+SHARDKIT_CORE_NAMESPACE_BEGIN
 
 //! A CUDA stream (the same type as cudaStream_t). nullptr is the legacy default stream.
 using device_stream = ::CUstream_st*;
@@ -37,7 +37,7 @@ class cuda_error : public error {
   int code_;
 };
 
-namespace detail {
+namespace core_detail {
 
 //! The message of a failed CUDA call: "<what>: <name> (<code>): <description>".
 inline std::string format_cuda_error(std::string_view what, int code, const char* name,
@@ -54,7 +54,7 @@ inline std::string describe_launch(std::string_view kernel, std::size_t grid, st
                 " elements)");
 }
 
-}  // namespace detail
+}  // namespace core_detail
 
 //! Where shardkit's device memory comes from. The default (core/cuda_memory.cuh) is the CUDA
 //! stream-ordered allocator, cudaMallocAsync/cudaFreeAsync. A framework with its own caching
@@ -79,7 +79,7 @@ struct device_allocation_stats {
   std::size_t peak_bytes = 0;  //!< the most bytes live at once since the process started
 };
 
-namespace detail {
+namespace core_detail {
 
 //! Process-wide state of device allocation: the installed resource (nullptr: the default of
 //! core/cuda_memory.cuh) and the live allocations. The one piece of global state of the CUDA
@@ -151,31 +151,31 @@ inline device_stream& thread_device_stream() noexcept {
   return s;
 }
 
-}  // namespace detail
+}  // namespace core_detail
 
 //! Installs `r` as the source of every later device allocation of shardkit (nullptr restores
 //! the default, cudaMallocAsync). Returns the previous one (nullptr: the default). Raises
 //! usage_error while allocations from the current resource are alive. `r` must outlive its
 //! allocations.
 inline device_memory_resource* set_device_memory_resource(device_memory_resource* r) {
-  return detail::device_registry().exchange(r);
+  return core_detail::device_registry().exchange(r);
 }
 
 //! The installed resource; nullptr means the default (cudaMallocAsync).
 inline device_memory_resource* get_device_memory_resource() {
-  return detail::device_registry().current();
+  return core_detail::device_registry().current();
 }
 
 //! Device allocations of shardkit alive now (through any resource).
 inline device_allocation_stats live_device_allocations() {
-  return detail::device_registry().stats();
+  return core_detail::device_registry().stats();
 }
 
 //! The stream this thread's shardkit device allocations, frees and zeroing are ordered on
 //! (buffer<T, cuda_space> has no stream argument). nullptr, the default, is the legacy default
 //! stream, which orders them with all work on blocking streams.
 inline device_stream current_device_stream() noexcept {
-  return detail::thread_device_stream();
+  return core_detail::thread_device_stream();
 }
 
 //! Sets the calling thread's current device stream for its lifetime (restoring the previous one
@@ -183,18 +183,18 @@ inline device_stream current_device_stream() noexcept {
 class device_stream_scope {
  public:
   explicit device_stream_scope(device_stream s) noexcept
-      : previous_(detail::thread_device_stream()) {
-    detail::thread_device_stream() = s;
+      : previous_(core_detail::thread_device_stream()) {
+    core_detail::thread_device_stream() = s;
   }
   device_stream_scope(const device_stream_scope&) = delete;
   device_stream_scope& operator=(const device_stream_scope&) = delete;
-  ~device_stream_scope() { detail::thread_device_stream() = previous_; }
+  ~device_stream_scope() { core_detail::thread_device_stream() = previous_; }
 
  private:
   device_stream previous_;
 };
 
-namespace detail {
+namespace core_detail {
 
 //! Allocates through `fallback` or the installed resource, with the bookkeeping of
 //! live_device_allocations(). Zero bytes give nullptr. A resource that returns nullptr is an
@@ -228,6 +228,6 @@ inline void deallocate_device_bytes(device_memory_resource& fallback, void* p, s
   (installed != nullptr ? *installed : fallback).deallocate(p, bytes, stream);
 }
 
-}  // namespace detail
+}  // namespace core_detail
 
-SHARDKIT_NAMESPACE_END
+SHARDKIT_CORE_NAMESPACE_END

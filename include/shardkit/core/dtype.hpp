@@ -14,20 +14,20 @@
 #include <ostream>
 #include <type_traits>
 
-SHARDKIT_NAMESPACE_BEGIN
+SHARDKIT_CORE_NAMESPACE_BEGIN
 
-namespace detail {
+namespace core_detail {
 SHARDKIT_HOST_DEVICE constexpr std::uint32_t float_bits(float f) noexcept {
   return __builtin_bit_cast(std::uint32_t, f);
 }
 SHARDKIT_HOST_DEVICE constexpr float bits_float(std::uint32_t u) noexcept {
   return __builtin_bit_cast(float, u);
 }
-}  // namespace detail
+}  // namespace core_detail
 
 //! float -> bfloat16 bits, round to nearest even; NaN keeps sign and the payload's top bits.
 SHARDKIT_HOST_DEVICE constexpr std::uint16_t float_to_bf16_bits(float f) noexcept {
-  const std::uint32_t u = detail::float_bits(f);
+  const std::uint32_t u = core_detail::float_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN: truncate, stay NaN
     const auto hi = static_cast<std::uint16_t>(u >> 16);
     return static_cast<std::uint16_t>((hi & 0x7fu) != 0 ? hi : (hi | 0x40u));
@@ -38,13 +38,13 @@ SHARDKIT_HOST_DEVICE constexpr std::uint16_t float_to_bf16_bits(float f) noexcep
 
 //! bfloat16 bits -> float (exact).
 SHARDKIT_HOST_DEVICE constexpr float bf16_bits_to_float(std::uint16_t h) noexcept {
-  return detail::bits_float(static_cast<std::uint32_t>(h) << 16);
+  return core_detail::bits_float(static_cast<std::uint32_t>(h) << 16);
 }
 
 //! float -> IEEE binary16 bits, round to nearest even, with subnormals, overflow to infinity,
 //! and NaN payloads kept where they fit.
 SHARDKIT_HOST_DEVICE constexpr std::uint16_t float_to_fp16_bits(float f) noexcept {
-  std::uint32_t u = detail::float_bits(f);
+  std::uint32_t u = core_detail::float_bits(f);
   const std::uint32_t sign = (u >> 16) & 0x8000u;
   u &= 0x7fffffffu;
   std::uint32_t o = 0;
@@ -58,8 +58,8 @@ SHARDKIT_HOST_DEVICE constexpr std::uint16_t float_to_fp16_bits(float f) noexcep
   } else if (u < 0x38800000u) {  // result is subnormal or zero: let the FPU round
     // Adding 0.5f aligns the 10 result mantissa bits at the bottom of the float, rounding to
     // nearest even; subtracting the bias bits leaves the fp16 encoding.
-    const float aligned = detail::bits_float(u) + 0.5f;
-    o = detail::float_bits(aligned) - 0x3f000000u;
+    const float aligned = core_detail::bits_float(u) + 0.5f;
+    o = core_detail::float_bits(aligned) - 0x3f000000u;
   } else {  // normal: rebias the exponent and round the mantissa to nearest even
     const std::uint32_t mant_odd = (u >> 13) & 1u;
     u += (static_cast<std::uint32_t>(15 - 127) << 23) + 0xfffu;
@@ -79,9 +79,9 @@ SHARDKIT_HOST_DEVICE constexpr float fp16_bits_to_float(std::uint16_t h) noexcep
     o += static_cast<std::uint32_t>(128 - 16) << 23;
   } else if (exp == 0) {  // zero or subnormal: renormalise through the FPU
     o += 1u << 23;
-    o = detail::float_bits(detail::bits_float(o) - detail::bits_float(113u << 23));
+    o = core_detail::float_bits(core_detail::bits_float(o) - core_detail::bits_float(113u << 23));
   }
-  return detail::bits_float(o | ((static_cast<std::uint32_t>(h) & 0x8000u) << 16));
+  return core_detail::bits_float(o | ((static_cast<std::uint32_t>(h) & 0x8000u) << 16));
 }
 
 //! Brain floating point: 1 sign, 8 exponent, 7 mantissa bits. A storage type: arithmetic
@@ -173,7 +173,7 @@ inline std::ostream& operator<<(std::ostream& os, dtype t) {
   return os << name(t);
 }
 
-namespace detail {
+namespace core_detail {
 template <class T>
 struct dtype_of_impl;
 template <>
@@ -199,15 +199,15 @@ template <class T>
 concept has_dtype = requires {
   dtype_of_impl<std::remove_cv_t<T>>::value;
 };
-}  // namespace detail
+}  // namespace core_detail
 
 //! An element type shardkit can describe with a `dtype`.
 template <class T>
-concept element_type = detail::has_dtype<T>;
+concept element_type = core_detail::has_dtype<T>;
 
 //! The run-time tag of a static element type.
 template <element_type T>
-inline constexpr dtype dtype_of = detail::dtype_of_impl<std::remove_cv_t<T>>::value;
+inline constexpr dtype dtype_of = core_detail::dtype_of_impl<std::remove_cv_t<T>>::value;
 
 //! A floating-point storage type that shardkit trains with: float, bf16 or fp16.
 template <class T>
@@ -231,4 +231,4 @@ SHARDKIT_HOST_DEVICE constexpr float to_float(T v) noexcept {
   return static_cast<float>(v);
 }
 
-SHARDKIT_NAMESPACE_END
+SHARDKIT_CORE_NAMESPACE_END

@@ -9,7 +9,7 @@
 #include <string>
 #include <utility>
 
-SHARDKIT_NAMESPACE_BEGIN
+SHARDKIT_CORE_NAMESPACE_BEGIN
 
 //! Base of every exception shardkit throws.
 class error : public std::runtime_error {
@@ -55,7 +55,7 @@ class collective_mismatch : public comm_error {
   using comm_error::comm_error;
 };
 
-namespace detail {
+namespace core_detail {
 
 //! Concatenates streamable values into a string (message building for exceptions).
 template <class... Args>
@@ -70,6 +70,6 @@ template <class E = invalid_argument, class... Args>
   throw E(concat(std::forward<Args>(args)...));
 }
 
-}  // namespace detail
+}  // namespace core_detail
 
-SHARDKIT_NAMESPACE_END
+SHARDKIT_CORE_NAMESPACE_END

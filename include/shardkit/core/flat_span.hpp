@@ -18,7 +18,7 @@
 #include <cstdint>
 #include <type_traits>
 
-SHARDKIT_NAMESPACE_BEGIN
+SHARDKIT_CORE_NAMESPACE_BEGIN
 
 //! The coordinates of a flat buffer (see the file comment).
 enum class flat_coords : std::uint8_t {
@@ -68,15 +68,15 @@ struct flat_span {
     const std::size_t want =
         coords == flat_coords::full ? layout.padded_numel() : layout.shard_numel();
     if (size != want) {
-      detail::raise(who, ": the ", what, " buffer in ", name(coords), " coordinates has ", size,
+      core_detail::raise(who, ": the ", what, " buffer in ", name(coords), " coordinates has ", size,
                     " elements, expected ", want,
                     coords == flat_coords::full ? " (N·S, layout.padded_numel())"
                                                 : " (S, layout.shard_numel())");
     }
     if (size != 0 && data == nullptr) {
-      detail::raise(who, ": the ", what, " buffer is null but should hold ", size, " elements");
+      core_detail::raise(who, ": the ", what, " buffer is null but should hold ", size, " elements");
     }
   }
 };
 
-SHARDKIT_NAMESPACE_END
+SHARDKIT_CORE_NAMESPACE_END

@@ -26,7 +26,7 @@
 #include <span>
 #include <vector>
 
-SHARDKIT_NAMESPACE_BEGIN
+SHARDKIT_CORE_NAMESPACE_BEGIN
 
 //! Half-open element range [offset, offset + count).
 struct index_range {
@@ -75,17 +75,17 @@ class flat_layout {
   flat_layout(std::span<const std::size_t> numels, std::span<const std::size_t> group_starts,
               std::size_t ranks, std::size_t alignment = 1)
       : ranks_(ranks), alignment_(alignment) {
-    if (ranks == 0) detail::raise("flat_layout: ranks must be at least 1, got 0");
-    if (alignment == 0) detail::raise("flat_layout: alignment must be at least 1 element, got 0");
+    if (ranks == 0) core_detail::raise("flat_layout: ranks must be at least 1, got 0");
+    if (alignment == 0) core_detail::raise("flat_layout: alignment must be at least 1 element, got 0");
     std::vector<std::size_t> starts(group_starts.begin(), group_starts.end());
     if (starts.empty()) starts.push_back(0);
     if (!numels.empty() || starts.size() > 1 || starts[0] != 0) {
       if (starts[0] != 0) {
-        detail::raise("flat_layout: the first group must start at parameter 0, got ", starts[0]);
+        core_detail::raise("flat_layout: the first group must start at parameter 0, got ", starts[0]);
       }
       for (std::size_t g = 1; g < starts.size(); ++g) {
         if (starts[g] <= starts[g - 1] || starts[g] >= numels.size()) {
-          detail::raise(
+          core_detail::raise(
               "flat_layout: group starts must be strictly increasing parameter indices "
               "below ",
               numels.size(), "; group ", g, " starts at ", starts[g]);
@@ -164,7 +164,7 @@ class flat_layout {
   }
   const group_entry& group(std::size_t g) const {
     if (g >= groups_.size()) {
-      detail::raise("flat_layout: group ", g, " out of range (", groups_.size(), " groups)");
+      core_detail::raise("flat_layout: group ", g, " out of range (", groups_.size(), " groups)");
     }
     return groups_[g];
   }
@@ -222,12 +222,12 @@ class flat_layout {
   }
   void check_param(std::size_t i) const {
     if (i >= params_.size()) {
-      detail::raise("flat_layout: parameter ", i, " out of range (", params_.size(),
+      core_detail::raise("flat_layout: parameter ", i, " out of range (", params_.size(),
                     " parameters)");
     }
   }
   void check_rank(std::size_t r) const {
-    if (r >= ranks_) detail::raise("flat_layout: rank ", r, " out of range (", ranks_, " ranks)");
+    if (r >= ranks_) core_detail::raise("flat_layout: rank ", r, " out of range (", ranks_, " ranks)");
   }
 
   std::vector<param_entry> params_;
@@ -239,4 +239,4 @@ class flat_layout {
   std::size_t shard_ = 0;
 };
 
-SHARDKIT_NAMESPACE_END
+SHARDKIT_CORE_NAMESPACE_END

@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <ostream>
 
-SHARDKIT_NAMESPACE_BEGIN
+SHARDKIT_CORE_NAMESPACE_BEGIN
 
 //! What a block of memory held by a rank is for.
 enum class memory_category : std::uint8_t {
@@ -67,7 +67,7 @@ class memory_ledger {
   void remove(memory_category c, std::size_t bytes) {
     auto& e = entries_[index(c)];
     if (bytes > e.current) {
-      detail::raise<error>("memory_ledger: releasing ", bytes, " bytes of ", name(c), " but only ",
+      core_detail::raise<error>("memory_ledger: releasing ", bytes, " bytes of ", name(c), " but only ",
                            e.current, " are recorded");
     }
     e.current -= bytes;
@@ -195,4 +195,4 @@ class traffic_ledger {
   std::array<std::atomic<std::uint64_t>, collective_count> bytes_{};
 };
 
-SHARDKIT_NAMESPACE_END
+SHARDKIT_CORE_NAMESPACE_END

@@ -14,7 +14,7 @@
 #include <type_traits>
 #include <utility>
 
-SHARDKIT_NAMESPACE_BEGIN
+SHARDKIT_CORE_NAMESPACE_BEGIN
 
 //! Ordinary host memory.
 struct host_space {
@@ -76,7 +76,7 @@ class buffer {
     try {
       data_ = static_cast<T*>(space_allocator<Space>::allocate(bytes));
     } catch (const std::bad_alloc&) {
-      detail::raise<error>("allocating ", bytes, " bytes of ", name(category), " in ", Space::name,
+      core_detail::raise<error>("allocating ", bytes, " bytes of ", name(category), " in ", Space::name,
                            " memory failed");
     }
     space_allocator<Space>::zero(data_, bytes);
@@ -136,4 +136,4 @@ class buffer {
   memory_category category_ = memory_category::comm_scratch;
 };
 
-SHARDKIT_NAMESPACE_END
+SHARDKIT_CORE_NAMESPACE_END

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <ostream>
 
-SHARDKIT_NAMESPACE_BEGIN
+SHARDKIT_CORE_NAMESPACE_BEGIN
 
 //! Reduction operation of all_reduce and reduce_scatter.
 enum class reduce_op : std::uint8_t { sum, avg, max, min };
@@ -31,4 +31,4 @@ inline std::ostream& operator<<(std::ostream& os, reduce_op op) {
   return os << name(op);
 }
 
-SHARDKIT_NAMESPACE_END
+SHARDKIT_CORE_NAMESPACE_END

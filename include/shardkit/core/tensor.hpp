@@ -34,7 +34,7 @@
 #include <span>
 #include <type_traits>
 
-SHARDKIT_NAMESPACE_BEGIN
+SHARDKIT_CORE_NAMESPACE_BEGIN
 
 //! Run-time name of a memory space.
 enum class memory_kind : std::uint8_t { host, cuda };
@@ -66,7 +66,7 @@ struct tensor_traits<R> {
   static std::size_t size(const R& r) { return static_cast<std::size_t>(std::ranges::size(r)); }
 };
 
-namespace detail {
+namespace core_detail {
 template <class T>
 using traits_of = tensor_traits<std::remove_cvref_t<T>>;
 
@@ -97,45 +97,45 @@ concept has_space = has_static_space<T> || has_dynamic_space<T>;
 
 template <class T>
 concept has_element_type = has_static_dtype<T> || has_dynamic_dtype<T>;
-}  // namespace detail
+}  // namespace core_detail
 
 //! A type adapted through tensor_traits: a memory space (static `memory_space`, or run-time
 //! `memory(t)`, which decides when both are given), an element type (static `value_type`, or
 //! run-time `dtype(t)`), data() and size().
 template <class T>
-concept tensor = detail::has_space<T> && detail::has_element_type<T> &&
+concept tensor = core_detail::has_space<T> && core_detail::has_element_type<T> &&
     requires(T& t, const std::remove_cvref_t<T>& ct) {
-  {detail::traits_of<T>::data(t)};
-  requires std::is_pointer_v<decltype(detail::traits_of<T>::data(t))>;
-  { detail::traits_of<T>::size(ct) } -> std::convertible_to<std::size_t>;
+  {core_detail::traits_of<T>::data(t)};
+  requires std::is_pointer_v<decltype(core_detail::traits_of<T>::data(t))>;
+  { core_detail::traits_of<T>::size(ct) } -> std::convertible_to<std::size_t>;
 };
 
 //! A tensor whose element type and memory space are known at compile time.
 template <class T>
-concept typed_tensor = tensor<T> && detail::has_static_dtype<T> && detail::has_static_space<T>;
+concept typed_tensor = tensor<T> && core_detail::has_static_dtype<T> && core_detail::has_static_space<T>;
 
 //! The memory space of a tensor type (one with a static memory space).
 template <tensor T>
-requires detail::has_static_space<T>
-using tensor_space_t = typename detail::traits_of<T>::memory_space;
+requires core_detail::has_static_space<T>
+using tensor_space_t = typename core_detail::traits_of<T>::memory_space;
 
 //! Pointer to the first element.
 template <tensor T>
 auto* tensor_data(T& t) {
-  return detail::traits_of<T>::data(t);
+  return core_detail::traits_of<T>::data(t);
 }
 
 //! Number of elements.
 template <tensor T>
 std::size_t tensor_numel(const T& t) {
-  return static_cast<std::size_t>(detail::traits_of<T>::size(t));
+  return static_cast<std::size_t>(core_detail::traits_of<T>::size(t));
 }
 
 //! Memory the tensor's elements live in, known statically or read from the tensor.
 template <tensor T>
 memory_kind tensor_memory(const T& t) {
-  if constexpr (detail::has_dynamic_space<T>) {
-    return detail::traits_of<T>::memory(t);
+  if constexpr (core_detail::has_dynamic_space<T>) {
+    return core_detail::traits_of<T>::memory(t);
   } else {
     (void)t;
     return memory_kind_of<tensor_space_t<T>>;
@@ -145,11 +145,11 @@ memory_kind tensor_memory(const T& t) {
 //! Element type, known statically or read from the tensor.
 template <tensor T>
 dtype tensor_dtype(const T& t) {
-  if constexpr (detail::has_static_dtype<T>) {
+  if constexpr (core_detail::has_static_dtype<T>) {
     (void)t;
-    return dtype_of<typename detail::traits_of<T>::value_type>;
+    return dtype_of<typename core_detail::traits_of<T>::value_type>;
   } else {
-    return detail::traits_of<T>::dtype(t);
+    return core_detail::traits_of<T>::dtype(t);
   }
 }
 
@@ -183,7 +183,7 @@ class tensor_view {
   //! Elements [offset, offset + count).
   constexpr tensor_view subview(std::size_t offset, std::size_t count) const {
     if (offset > size_ || count > size_ - offset) {
-      detail::raise<invalid_argument>("tensor_view::subview: range [", offset, ", ", offset + count,
+      core_detail::raise<invalid_argument>("tensor_view::subview: range [", offset, ", ", offset + count,
                                       ") exceeds the view's ", size_, " elements");
     }
     return {data_ + offset, count};
@@ -215,15 +215,15 @@ struct any_tensor_view {
   template <class T, memory_space Space = host_space>
   tensor_view<T, Space> as() const {
     if (type != dtype_of<std::remove_const_t<T>>) {
-      detail::raise<invalid_argument>("tensor of ", name(type), " elements viewed as ",
+      core_detail::raise<invalid_argument>("tensor of ", name(type), " elements viewed as ",
                                       name(dtype_of<std::remove_const_t<T>>));
     }
     if (space != memory_kind_of<Space>) {
-      detail::raise<invalid_argument>("tensor in ", name(space), " memory viewed as ", Space::name,
+      core_detail::raise<invalid_argument>("tensor in ", name(space), " memory viewed as ", Space::name,
                                       " memory");
     }
     if (read_only && !std::is_const_v<T>) {
-      detail::raise<invalid_argument>("read-only tensor viewed as writable");
+      core_detail::raise<invalid_argument>("read-only tensor viewed as writable");
     }
     return {static_cast<T*>(data), numel};
   }
@@ -249,4 +249,4 @@ auto view(T& t) {
   return tensor_view<P, tensor_space_t<T>>(p, tensor_numel(t));
 }
 
-SHARDKIT_NAMESPACE_END
+SHARDKIT_CORE_NAMESPACE_END

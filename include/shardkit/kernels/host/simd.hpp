@@ -8,7 +8,8 @@
 //! CUDA translation units (`__CUDACC__`) compile these loops against a one-lane stand-in
 //! (kernels/host/simd_scalar.hpp), because nvcc cannot parse <experimental/simd>; so does any
 //! translation unit that defines `SHARDKIT_HOST_SCALAR_SIMD`. The one-lane build computes what
-//! the baseline build computes, bit for bit, and never dispatches to AVX2.
+//! the baseline build computes, bit for bit, and never dispatches to AVX2. (config.hpp makes that
+//! choice and puts the two builds in distinct ABI namespaces, simd_native and simd_scalar.)
 #pragma once
 
 #include <shardkit/config.hpp>
@@ -20,9 +21,6 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__CUDACC__) && !defined(SHARDKIT_HOST_SCALAR_SIMD)
-#define SHARDKIT_HOST_SCALAR_SIMD 1
-#endif
 #if defined(SHARDKIT_HOST_SCALAR_SIMD)
 #include <shardkit/kernels/host/simd_scalar.hpp>
 #else

@@ -33,25 +33,36 @@ class simd {
   static constexpr std::size_t size() noexcept { return 1; }
 
   simd() = default;
-  constexpr simd(T v) noexcept : v_(v) {}  // NOLINT(google-explicit-constructor): broadcast
+  SHARDKIT_HOST_DEVICE constexpr simd(T v) noexcept
+      : v_(v) {}  // NOLINT(google-explicit-constructor): broadcast
   //! Converting load of one element (as the stdx load constructor).
   template <class U>
-  simd(const U* p, element_aligned_tag) noexcept : v_(static_cast<T>(*p)) {}
+  SHARDKIT_HOST_DEVICE simd(const U* p, element_aligned_tag) noexcept : v_(static_cast<T>(*p)) {}
   //! Converting store of one element (as stdx copy_to).
   template <class U>
-  void copy_to(U* p, element_aligned_tag) const noexcept {
+  SHARDKIT_HOST_DEVICE void copy_to(U* p, element_aligned_tag) const noexcept {
     *p = static_cast<U>(v_);
   }
-  constexpr operator T() const noexcept { return v_; }  // NOLINT(google-explicit-constructor)
+  SHARDKIT_HOST_DEVICE constexpr operator T() const noexcept {
+    return v_;
+  }  // NOLINT(google-explicit-constructor)
 
-  constexpr simd& operator+=(T x) noexcept { return v_ = static_cast<T>(v_ + x), *this; }
-  constexpr simd& operator-=(T x) noexcept { return v_ = static_cast<T>(v_ - x), *this; }
-  constexpr simd& operator*=(T x) noexcept { return v_ = static_cast<T>(v_ * x), *this; }
-  constexpr simd& operator/=(T x) noexcept { return v_ = static_cast<T>(v_ / x), *this; }
-  constexpr simd& operator&=(T x) noexcept requires std::is_integral_v<T> {
+  SHARDKIT_HOST_DEVICE constexpr simd& operator+=(T x) noexcept {
+    return v_ = static_cast<T>(v_ + x), *this;
+  }
+  SHARDKIT_HOST_DEVICE constexpr simd& operator-=(T x) noexcept {
+    return v_ = static_cast<T>(v_ - x), *this;
+  }
+  SHARDKIT_HOST_DEVICE constexpr simd& operator*=(T x) noexcept {
+    return v_ = static_cast<T>(v_ * x), *this;
+  }
+  SHARDKIT_HOST_DEVICE constexpr simd& operator/=(T x) noexcept {
+    return v_ = static_cast<T>(v_ / x), *this;
+  }
+  SHARDKIT_HOST_DEVICE constexpr simd& operator&=(T x) noexcept requires std::is_integral_v<T> {
     return v_ = static_cast<T>(v_ & x), *this;
   }
-  constexpr simd& operator|=(T x) noexcept requires std::is_integral_v<T> {
+  SHARDKIT_HOST_DEVICE constexpr simd& operator|=(T x) noexcept requires std::is_integral_v<T> {
     return v_ = static_cast<T>(v_ | x), *this;
   }
 
@@ -61,7 +72,7 @@ class simd {
 
 //! sqrt of the lane (found by argument-dependent lookup, as stdx::sqrt is).
 template <class T>
-simd<T> sqrt(simd<T> x) noexcept {
+SHARDKIT_HOST_DEVICE simd<T> sqrt(simd<T> x) noexcept {
   return simd<T>(std::sqrt(static_cast<T>(x)));
 }
 
