@@ -2,8 +2,8 @@
 # Every public header compiles on its own (and twice in a row) with the given compiler,
 # -std=c++20 -Wall -Wextra -Wpedantic -Werror.
 # Usage: check.sh <compiler> <include-dir> [--mpi "<MPI compile flags>"] [-flag ...] [header-to-skip ...]
-# shardkit/comm/mpi.hpp needs MPI's include flags: it is checked with the flags given by --mpi, and
-# skipped (and reported as skipped) without them. Other arguments that start with '-' are extra
+# shardkit/comm/mpi.hpp and shardkit/comm/mpi/*.hpp need MPI's include flags: they are checked
+# with the flags given by --mpi, and skipped (and reported as skipped) without them. Other arguments that start with '-' are extra
 # compiler flags for every header (e.g. -isystem/usr/include/eigen3 for the adapters); the rest
 # are headers (relative to <include-dir>) not to check.
 set -euo pipefail
@@ -34,7 +34,7 @@ while IFS= read -r h; do
     continue
   fi
   extra=()
-  if [[ $rel == shardkit/comm/mpi.hpp ]]; then
+  if [[ $rel == shardkit/comm/mpi.hpp || $rel == shardkit/comm/mpi/* ]]; then
     if ((!have_mpi)); then
       echo "skipped: $rel (MPI not found)"
       skipped=$((skipped + 1))

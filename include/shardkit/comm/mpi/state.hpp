@@ -1,0 +1,526 @@
+//! \file comm/mpi/state.hpp
+//! `detail::mpi_state`: the transport of one mpi_comm endpoint (comm/mpi.hpp has the overview).
+//! It starts every collective as MPI non-blocking calls, keeps them in a queue completed
+//! strictly in issue order, runs the rank-ordered reductions when their MPI part completes,
+//! drives progress (on call or from a progress thread), turns a collective that waits longer
+//! than the timeout into comm_timeout (the communicator is unusable after, since MPI cannot
+//! withdraw an operation), and runs the optional matching check before each collective.
+#pragma once
+
+#include <shardkit/comm/communicator.hpp>
+#include <shardkit/comm/detail/frontend.hpp>
+#include <shardkit/comm/mpi/support.hpp>
+#include <shardkit/comm/volume.hpp>
+#include <shardkit/config.hpp>
+#include <shardkit/core/dtype.hpp>
+#include <shardkit/core/error.hpp>
+#include <shardkit/core/ledger.hpp>
+#include <shardkit/kernels/host/reduce.hpp>
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+SHARDKIT_NAMESPACE_BEGIN
+namespace detail {
+
+//! Shared state of one mpi_comm endpoint: its MPI communicators, the queue of collectives in
+//! flight (completed strictly in issue order), the progress thread, and the traffic ledger.
+//! `mu` guards everything but `traffic` and is held around every MPI call on `comm`/`phase2`.
+class mpi_state {
+ public:
+  mpi_state(MPI_Comm comm, MPI_Comm phase2, bool owns_comm, mpi_comm_options opts)
+      : comm_(comm), phase2_(phase2), owns_comm_(owns_comm), opts_(opts) {
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+  }
+  mpi_state(const mpi_state&) = delete;
+  mpi_state& operator=(const mpi_state&) = delete;
+  ~mpi_state() { close(); }
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  MPI_Comm native() const noexcept { return comm_; }
+  const mpi_comm_options& options() const noexcept { return opts_; }
+  traffic_ledger& traffic() noexcept { return traffic_; }
+
+  //! Starts a collective (after the matching check, when enabled) and queues it.
+  std::shared_ptr<mpi_op> issue(std::unique_lock<std::mutex>& lk, const collective_desc& d,
+                                const void* in, void* out) {
+    throw_if_broken([&] { return describe(d); });
+    const std::uint64_t call = ++calls_;
+    if (opts_.check_matching) check_matching(lk, d, false, call);
+    auto op = std::make_shared<mpi_op>();
+    op->desc = d;
+    op->call = call;
+    op->in = static_cast<const std::byte*>(in);
+    op->out = static_cast<std::byte*>(out);
+    // Queued before it starts: if starting fails half-way, the parts already started keep their
+    // scratch (a failed communicator's queue is never freed, see close()).
+    queue_.push_back(op);
+    try {
+      start(*op);
+    } catch (...) {
+      broken_ = concat(op->what(), " could not be started on rank ", rank_);
+      throw;
+    }
+    return op;
+  }
+
+  //! Drives the queue until `op` is done; rethrows its error.
+  void wait(std::unique_lock<std::mutex>& lk, const mpi_op& op) {
+    poll(
+        lk, [&] { return op.done(); }, [&] { return op.what(); });
+    if (op.error) std::rethrow_exception(op.error);
+  }
+
+  //! One step of progress; true when `op` is done.
+  bool test(const mpi_op& op) {
+    if (!op.done() && broken_.empty()) drive();
+    return op.done();
+  }
+
+  //! Waits for every queued collective (used before split() and when closing).
+  void drain(std::unique_lock<std::mutex>& lk) {
+    poll(
+        lk, [&] { return queue_.empty(); }, [] { return std::string("pending collectives"); });
+  }
+
+  //! Collective: MPI_Comm_split of this communicator (after draining it), plus the second
+  //! communicator of the new one. Returns the new state.
+  std::shared_ptr<mpi_state> split(std::unique_lock<std::mutex>& lk, int color, int key) {
+    collective_desc d;
+    d.color = color;
+    d.key = key;
+    throw_if_broken([] { return std::string("split"); });
+    drain(lk);
+    const std::uint64_t call = ++calls_;
+    if (opts_.check_matching) check_matching(lk, d, true, call);
+    const std::string what = concat("split(color ", color, ", key ", key, ") (call #", call, ")");
+    MPI_Comm a = MPI_COMM_NULL, b = MPI_COMM_NULL;
+    mpi_check(MPI_Comm_split(comm_, color, key, &a), "MPI_Comm_split", what, rank_, size_);
+    MPI_Comm_set_errhandler(a, MPI_ERRORS_RETURN);
+    const int rc = MPI_Comm_dup(a, &b);
+    if (rc != MPI_SUCCESS) MPI_Comm_free(&a);
+    mpi_check(rc, "MPI_Comm_dup", what, rank_, size_);
+    return std::make_shared<mpi_state>(a, b, true, opts_);
+  }
+
+  //! Checks the thread level the progress mode needs.
+  void check_thread_level() const {
+    if (opts_.progress != mpi_progress::thread) return;
+    int provided = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&provided);
+    if (provided < MPI_THREAD_MULTIPLE) {
+      raise<usage_error>(
+          "mpi_comm: mpi_progress::thread needs MPI initialised with MPI_THREAD_MULTIPLE, but "
+          "MPI provides thread level ",
+          provided, " (MPI_THREAD_MULTIPLE is ", MPI_THREAD_MULTIPLE,
+          "); initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) (as "
+          "shardkit::mpi_main does) or use mpi_progress::on_call");
+    }
+  }
+
+  //! Starts the progress thread if the options ask for one and it is not running yet.
+  void ensure_progress_thread() {
+    if (opts_.progress != mpi_progress::thread || progress_thread_.joinable()) return;
+    progress_thread_ = std::thread([this] { progress_loop(); });
+  }
+
+  void notify() { cv_.notify_all(); }
+
+  //! Waits for what is queued (unless broken), stops the progress thread and frees the MPI
+  //! communicators this endpoint owns. Never throws. Idempotent.
+  void close() noexcept {
+    std::unique_lock lk(mu_);
+    if (closed_) return;
+    closed_ = true;
+    if (!mpi_finalized()) {
+      try {
+        if (broken_.empty()) drain(lk);
+      } catch (...) {
+        // The job is failing; the caller learns it from the collective's own wait().
+      }
+    }
+    stop_ = true;
+    lk.unlock();
+    cv_.notify_all();
+    if (progress_thread_.joinable()) progress_thread_.join();
+    lk.lock();
+    if (!broken_.empty()) {
+      // Abandoned MPI operations may still use these buffers and communicators (Open MPI keeps
+      // progressing them even on a freed communicator): never free them.
+      new std::deque<std::shared_ptr<mpi_op>>(std::move(queue_));
+      new std::vector<std::shared_ptr<mpi_op>>(std::move(failed_));
+      new std::vector<std::int64_t>(std::move(check_buffer_));
+      queue_.clear();
+      return;
+    }
+    if (!mpi_finalized()) {
+      if (phase2_ != MPI_COMM_NULL) MPI_Comm_free(&phase2_);
+      if (owns_comm_ && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+    }
+  }
+
+  std::mutex& mutex() noexcept { return mu_; }
+
+ private:
+  // Drives the queue until done(); throws comm_aborted when the communicator has failed and
+  // comm_timeout (marking it failed) after opts_.timeout. `waited()` names what the caller waits
+  // for; the message names the oldest pending collective, which is the one that is stuck.
+  template <class Done, class Waited>
+  void poll(std::unique_lock<std::mutex>& lk, Done done, Waited waited) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (;;) {
+      if (broken_.empty()) drive();
+      if (done()) return;
+      if (!broken_.empty()) {
+        throw comm_aborted(concat("mpi_comm: rank ", rank_, " of ", size_,
+                                  ": the communicator is unusable: ", broken_));
+      }
+      const auto waited_for = std::chrono::steady_clock::now() - t0;
+      if (opts_.timeout.count() > 0 && waited_for > opts_.timeout) {
+        std::string what = waited();
+        if (!queue_.empty() && queue_.front()->what() != what) {
+          what = concat(queue_.front()->what(), " (waiting for ", what, ")");
+        }
+        broken_ = concat(what, " timed out after ", opts_.timeout.count(), " ms on rank ", rank_);
+        throw comm_timeout(concat(
+            "mpi_comm: ", what, " timed out after ", opts_.timeout.count(), " ms on rank ", rank_,
+            " of ", size_,
+            ": not every rank reached it (a rank died, hangs, or issued fewer or different "
+            "collectives); MPI cannot withdraw it, so this communicator is unusable now: end the "
+            "job (shardkit::mpi_main calls MPI_Abort when this exception leaves your function)"));
+      }
+      lk.unlock();
+      if (waited_for < std::chrono::milliseconds(1)) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+      lk.lock();
+    }
+  }
+
+  // Completes what can be completed, strictly in issue order.
+  void drive() {
+    while (!queue_.empty()) {
+      auto& op = queue_.front();
+      if (!advance(*op)) return;
+      if (op->error) failed_.push_back(op);  // other parts of it may still be in flight
+      queue_.pop_front();
+    }
+  }
+
+  // Moves `op` forward; true when it is done (successfully or with an error).
+  bool advance(mpi_op& op) {
+    try {
+      while (!op.done()) {
+        if (!requests_done(op)) return false;
+        if (op.stage == 0) {
+          finish_first_stage(op);
+        } else {
+          op.stage = 2;
+        }
+      }
+      record(traffic_, op.desc, rank_, size_);
+    } catch (...) {
+      op.error = std::current_exception();
+      op.stage = 2;
+      broken_ = concat(op.what(), " failed on rank ", rank_);
+    }
+    return true;
+  }
+
+  bool requests_done(mpi_op& op) {
+    for (auto& req : op.requests) {
+      if (req == MPI_REQUEST_NULL) continue;
+      int flag = 0;
+      check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test", op);
+      if (!flag) return false;
+    }
+    op.requests.clear();
+    return true;
+  }
+
+  // The MPI part of stage 0 is complete: reduce what arrived, start all_reduce's all-gather.
+  void finish_first_stage(mpi_op& op) {
+    const collective_desc& d = op.desc;
+    const std::size_t e = size_of(d.type);
+    const auto N = static_cast<std::size_t>(size_);
+    const auto r = static_cast<std::size_t>(rank_);
+    std::vector<const void*> src(N);
+    if (d.kind == collective::reduce_scatter) {
+      for (const auto& p : op.parts) {
+        for (std::size_t q = 0; q < N; ++q) src[q] = op.scratch.get() + p.scratch + q * p.len * e;
+        host::reduce_ordered(d.type, src.data(), N, op.out + p.begin * e, p.len, d.op);
+      }
+    } else if (d.kind == collective::all_reduce) {
+      for (const auto& p : op.parts) {
+        const std::size_t mine = chunk_size(p.len, N, r);
+        for (std::size_t q = 0; q < N; ++q) src[q] = op.scratch.get() + p.scratch + q * mine * e;
+        host::reduce_ordered(d.type, src.data(), N,
+                             op.out + (p.begin + chunk_begin(p.len, N, r)) * e, mine, d.op);
+      }
+      op.scratch.reset();
+      const MPI_Datatype t = mpi_datatype(d.type);
+      for (auto& p : op.parts) {
+        MPI_Request req = MPI_REQUEST_NULL;
+        check(MPI_Iallgatherv(MPI_IN_PLACE, 0, t, op.out + p.begin * e, p.counts.data(),
+                              p.displs.data(), t, phase2_, &req),
+              "MPI_Iallgatherv", op);
+        op.requests.push_back(req);
+      }
+      op.stage = 1;
+      return;
+    }
+    op.scratch.reset();
+    op.stage = 2;
+  }
+
+  // A datatype of `len` elements of `t` whose extent is `stride_bytes`: one per-peer block of a
+  // collective that is split into several MPI calls.
+  void make_strided(mpi_type_holder& h, MPI_Datatype t, std::size_t len, std::size_t stride_bytes,
+                    const mpi_op& op) const {
+    MPI_Datatype contiguous = MPI_DATATYPE_NULL;
+    check(MPI_Type_contiguous(static_cast<int>(len), t, &contiguous), "MPI_Type_contiguous", op);
+    const int rc =
+        MPI_Type_create_resized(contiguous, 0, static_cast<MPI_Aint>(stride_bytes), &h.type);
+    MPI_Type_free(&contiguous);
+    check(rc, "MPI_Type_create_resized", op);
+    check(MPI_Type_commit(&h.type), "MPI_Type_commit", op);
+  }
+
+  // Starts the first MPI stage of `op`.
+  void start(mpi_op& op) {
+    const collective_desc& d = op.desc;
+    const std::size_t e = size_of(d.type);
+    const MPI_Datatype t = mpi_datatype(d.type);
+    const auto N = static_cast<std::size_t>(size_);
+    const auto r = static_cast<std::size_t>(rank_);
+    const std::size_t L = opts_.max_call_elems;
+    const std::size_t c = d.count;
+    MPI_Request req = MPI_REQUEST_NULL;
+    // Called as issued(MPI_Ixxx(..., &req), "MPI_Ixxx"): reads `req` after the call filled it.
+    auto issued = [&](int rc, const char* fn) {
+      check(rc, fn, op);
+      op.requests.push_back(req);
+      req = MPI_REQUEST_NULL;
+    };
+    // Pieces [begin, begin + len) of length <= L covering [0, n).
+    auto pieces = [&](std::size_t n) {
+      for (std::size_t b = 0; b < n; b += L)
+        op.parts.push_back({b, std::min(L, n - b), 0, {}, {}, {}, {}});
+    };
+    switch (d.kind) {
+      case collective::barrier:
+        issued(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier");
+        break;
+      case collective::broadcast:
+        pieces(c);
+        for (const auto& p : op.parts) {
+          issued(MPI_Ibcast(op.out + p.begin * e, static_cast<int>(p.len), t, d.root, comm_, &req),
+                 "MPI_Ibcast");
+        }
+        break;
+      case collective::all_gather: {
+        pieces(c);
+        const bool in_place = op.in == op.out + r * c * e;
+        for (const auto& p : op.parts) {
+          const void* send =
+              in_place ? MPI_IN_PLACE : static_cast<const void*>(op.in + p.begin * e);
+          if (p.len == c) {
+            issued(MPI_Iallgather(send, static_cast<int>(c), t, op.out, static_cast<int>(c), t,
+                                  comm_, &req),
+                   "MPI_Iallgather");
+          } else {
+            mpi_type_holder block;
+            make_strided(block, t, p.len, c * e, op);
+            issued(MPI_Iallgather(send, static_cast<int>(p.len), t, op.out + p.begin * e, 1,
+                                  block.type, comm_, &req),
+                   "MPI_Iallgather");
+          }
+        }
+        break;
+      }
+      case collective::all_to_all: {
+        pieces(c);
+        for (const auto& p : op.parts) {
+          if (p.len == c) {
+            issued(MPI_Ialltoall(op.in, static_cast<int>(c), t, op.out, static_cast<int>(c), t,
+                                 comm_, &req),
+                   "MPI_Ialltoall");
+          } else {
+            mpi_type_holder block;
+            make_strided(block, t, p.len, c * e, op);
+            issued(MPI_Ialltoall(op.in + p.begin * e, 1, block.type, op.out + p.begin * e, 1,
+                                 block.type, comm_, &req),
+                   "MPI_Ialltoall");
+          }
+        }
+        break;
+      }
+      case collective::reduce_scatter: {
+        pieces(c);
+        if (c != 0) op.scratch.reset(new std::byte[N * c * e]);
+        for (auto& p : op.parts) {
+          p.scratch = N * p.begin * e;
+          std::byte* recv = op.scratch.get() + p.scratch;
+          if (p.len == c) {
+            issued(MPI_Ialltoall(op.in, static_cast<int>(c), t, recv, static_cast<int>(c), t, comm_,
+                                 &req),
+                   "MPI_Ialltoall");
+          } else {
+            mpi_type_holder block;
+            make_strided(block, t, p.len, c * e, op);
+            issued(MPI_Ialltoall(op.in + p.begin * e, 1, block.type, recv, static_cast<int>(p.len),
+                                 t, comm_, &req),
+                   "MPI_Ialltoall");
+          }
+        }
+        break;
+      }
+      case collective::all_reduce: {
+        pieces(c);
+        std::size_t scratch_bytes = 0;
+        for (auto& p : op.parts) {
+          const std::size_t mine = chunk_size(p.len, N, r);
+          p.counts.resize(N);
+          p.displs.resize(N);
+          p.recv_counts.assign(N, static_cast<int>(mine));
+          p.recv_displs.resize(N);
+          for (std::size_t q = 0; q < N; ++q) {
+            p.counts[q] = static_cast<int>(chunk_size(p.len, N, q));
+            p.displs[q] = static_cast<int>(chunk_begin(p.len, N, q));
+            p.recv_displs[q] = static_cast<int>(q * mine);
+          }
+          p.scratch = scratch_bytes;
+          scratch_bytes += N * mine * e;
+        }
+        if (scratch_bytes != 0) op.scratch.reset(new std::byte[scratch_bytes]);
+        for (auto& p : op.parts) {
+          issued(MPI_Ialltoallv(op.in + p.begin * e, p.counts.data(), p.displs.data(), t,
+                                op.scratch.get() + p.scratch, p.recv_counts.data(),
+                                p.recv_displs.data(), t, comm_, &req),
+                 "MPI_Ialltoallv");
+        }
+        break;
+      }
+    }
+  }
+
+  // Compares what every rank is about to call; throws collective_mismatch on every rank.
+  void check_matching(std::unique_lock<std::mutex>& lk, const collective_desc& d, bool is_split,
+                      std::uint64_t call) {
+    constexpr int fields = 6;
+    const auto N = static_cast<std::size_t>(size_);
+    // This rank's fields after everyone's. Kept in the state: if the exchange times out, MPI may
+    // still use the buffer later (close() then never frees it).
+    check_buffer_.assign((N + 1) * fields, 0);
+    std::int64_t* mine = check_buffer_.data() + N * fields;
+    mine[0] = static_cast<std::int64_t>(d.kind);
+    mine[1] = static_cast<std::int64_t>(d.type);
+    mine[2] = static_cast<std::int64_t>(d.count);
+    mine[3] = static_cast<std::int64_t>(d.op);
+    mine[4] = static_cast<std::int64_t>(d.root);
+    mine[5] = is_split ? 1 : 0;
+    MPI_Request req = MPI_REQUEST_NULL;
+    const std::string what = concat(describe(d, is_split), " (call #", call, ", matching check)");
+    mpi_check(MPI_Iallgather(mine, fields, MPI_INT64_T, check_buffer_.data(), fields, MPI_INT64_T,
+                             comm_, &req),
+              "MPI_Iallgather", what, rank_, size_);
+    poll(
+        lk,
+        [&] {
+          int flag = 0;
+          mpi_check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test", what, rank_, size_);
+          return flag != 0;
+        },
+        [&] { return what; });
+    auto desc_of = [&](std::size_t q, bool& split) {
+      const std::int64_t* f = check_buffer_.data() + q * fields;
+      collective_desc x;
+      x.kind = static_cast<collective>(f[0]);
+      x.type = static_cast<dtype>(f[1]);
+      x.count = static_cast<std::size_t>(f[2]);
+      x.op = static_cast<reduce_op>(f[3]);
+      x.root = static_cast<int>(f[4]);
+      split = f[5] != 0;
+      return x;
+    };
+    bool split0 = false;
+    const collective_desc d0 = desc_of(0, split0);
+    for (std::size_t q = 1; q < N; ++q) {
+      bool split_q = false;
+      const collective_desc dq = desc_of(q, split_q);
+      if (split_q != split0 || (!split0 && !dq.matches(d0))) {
+        throw collective_mismatch(
+            concat(mismatch_message(call, d0, split0, static_cast<int>(q), dq, split_q),
+                   "; seen on rank ", rank_));
+      }
+    }
+  }
+
+  template <class What>
+  void throw_if_broken(What what) const {
+    if (!broken_.empty()) {
+      throw comm_aborted(concat("mpi_comm: ", what(), " on rank ", rank_, " of ", size_,
+                                ": the communicator is unusable: ", broken_));
+    }
+  }
+
+  // Throws comm_error naming `op` when an MPI call failed (the message is built only then).
+  void check(int rc, const char* mpi_function, const mpi_op& op) const {
+    if (rc != MPI_SUCCESS) mpi_check(rc, mpi_function, op.what(), rank_, size_);
+  }
+
+  void progress_loop() {
+    std::unique_lock lk(mu_);
+    while (!stop_) {
+      if (queue_.empty() || !broken_.empty()) {
+        cv_.wait(lk, [&] { return stop_ || (!queue_.empty() && broken_.empty()); });
+        continue;
+      }
+      drive();
+      if (!queue_.empty()) {
+        lk.unlock();
+        std::this_thread::sleep_for(opts_.progress_interval);
+        lk.lock();
+      }
+    }
+  }
+
+  MPI_Comm comm_;    // first stage of every collective; the user's communicator when borrowed
+  MPI_Comm phase2_;  // all_reduce's all-gathers, started in completion (= issue) order
+  bool owns_comm_;
+  mpi_comm_options opts_;
+  int rank_ = 0;
+  int size_ = 1;
+  traffic_ledger traffic_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<mpi_op>> queue_;
+  std::vector<std::shared_ptr<mpi_op>> failed_;  // kept: MPI may still use their buffers
+  std::vector<std::int64_t> check_buffer_;
+  std::uint64_t calls_ = 0;
+  std::string broken_;  // why the communicator is unusable; empty while it is fine
+  bool closed_ = false;
+  bool stop_ = false;
+  std::thread progress_thread_;
+};
+
+}  // namespace detail
+
+SHARDKIT_NAMESPACE_END
