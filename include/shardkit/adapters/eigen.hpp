@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <ranges>
 #include <type_traits>
+#include <vector>
 
 SHARDKIT_CORE_NAMESPACE_BEGIN
 
@@ -61,6 +62,10 @@ struct tensor_traits<T> {
     return m.data();
   }
   static std::size_t size(const T& m) { return static_cast<std::size_t>(m.size()); }
+  //! {rows, cols} (Eigen's logical shape; the storage order is the matrix's own).
+  static std::vector<std::size_t> shape(const T& m) {
+    return {static_cast<std::size_t>(m.rows()), static_cast<std::size_t>(m.cols())};
+  }
 };
 
 //! An Eigen::Map of the elements of `v` as a rows x cols matrix, without a copy: writes through
@@ -79,7 +84,8 @@ auto eigen_map(tensor_view<T> v, Eigen::Index rows, Eigen::Index cols) {
   if (rows < 0 || cols < 0 ||
       static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols) != v.size()) {
     core_detail::raise<invalid_argument>("eigen_map: a ", rows, " x ", cols,
-                                    " matrix does not cover the view's ", v.size(), " elements");
+                                         " matrix does not cover the view's ", v.size(),
+                                         " elements");
   }
   using matrix = Eigen::Matrix<U, Eigen::Dynamic, Eigen::Dynamic, Order>;
   using mapped = std::conditional_t<std::is_const_v<T>, const matrix, matrix>;

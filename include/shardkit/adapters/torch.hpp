@@ -86,7 +86,7 @@ inline c10::ScalarType torch_scalar_type(dtype d) {
       return c10::ScalarType::Byte;
     default:
       core_detail::raise<invalid_argument>("shardkit ", name(d),
-                                      " elements have no LibTorch scalar type");
+                                           " elements have no LibTorch scalar type");
   }
 }
 
@@ -128,7 +128,7 @@ inline memory_kind torch_memory_kind(c10::Device d) {
   if (d.is_cpu()) return memory_kind::host;
   if (d.is_cuda()) return memory_kind::cuda;
   core_detail::raise<invalid_argument>("a torch tensor on device '", d.str(),
-                                  "': shardkit knows host (CPU) and cuda memory only");
+                                       "': shardkit knows host (CPU) and cuda memory only");
 }
 
 namespace core_detail {
@@ -207,6 +207,13 @@ struct tensor_traits<at::Tensor> {
   static std::size_t size(const at::Tensor& t) {
     return t.defined() ? static_cast<std::size_t>(t.numel()) : 0;
   }
+  //! The tensor's sizes ({} for an undefined tensor, which has no elements).
+  static std::vector<std::size_t> shape(const at::Tensor& t) {
+    std::vector<std::size_t> s;
+    if (!t.defined()) return {0};
+    for (const auto d : t.sizes()) s.push_back(static_cast<std::size_t>(d));
+    return s;
+  }
 };
 
 // ---- torch tensors over shardkit memory ---------------------------------------------------------
@@ -230,7 +237,7 @@ at::Tensor torch_view(tensor_view<T> v, at::IntArrayRef shape) {
   const std::int64_t n = core_detail::numel_of(shape);
   if (static_cast<std::size_t>(n) != v.size()) {
     core_detail::raise<invalid_argument>("torch_view: shape ", shape, " holds ", n,
-                                    " elements, the view has ", v.size());
+                                         " elements, the view has ", v.size());
   }
   return core_detail::torch_over(v.data(), shape, torch_scalar_type_of<T>);
 }
@@ -258,11 +265,12 @@ void torch_bind(const at::Tensor& t, tensor_view<T> v) {
   core_detail::require_defined_torch(t);
   if (!t.device().is_cpu()) {
     core_detail::raise<invalid_argument>("torch_bind: the tensor is on ", t.device().str(),
-                                    "; the host engine's memory can back CPU tensors only");
+                                         "; the host engine's memory can back CPU tensors only");
   }
   if (static_cast<std::size_t>(t.numel()) != v.size()) {
-    core_detail::raise<invalid_argument>("torch_bind: a tensor of shape ", t.sizes(), " (", t.numel(),
-                                    " elements) cannot alias a view of ", v.size(), " elements");
+    core_detail::raise<invalid_argument>("torch_bind: a tensor of shape ", t.sizes(), " (",
+                                         t.numel(), " elements) cannot alias a view of ", v.size(),
+                                         " elements");
   }
   const c10::ScalarType type = torch_scalar_type_of<T>;
   if (torch_is_bound(t) && t.scalar_type() == type && t.is_contiguous() &&
@@ -336,8 +344,8 @@ class torch_hooks {
   torch_hooks(Engine& eng, std::vector<std::vector<at::Tensor>> unit_params) : eng_(eng) {
     if (unit_params.size() != eng.num_units()) {
       core_detail::raise<invalid_argument>("torch_hooks: ", unit_params.size(),
-                                      " lists of parameters for an engine of ", eng.num_units(),
-                                      " units");
+                                           " lists of parameters for an engine of ",
+                                           eng.num_units(), " units");
     }
     std::size_t index = 0;
     units_.resize(unit_params.size());
@@ -345,8 +353,8 @@ class torch_hooks {
       units_[u].first = index;
       for (auto& t : unit_params[u]) {
         if (index >= eng.num_params()) {
-          core_detail::raise<invalid_argument>("torch_hooks: more torch parameters than the engine's ",
-                                          eng.num_params());
+          core_detail::raise<invalid_argument>(
+              "torch_hooks: more torch parameters than the engine's ", eng.num_params());
         }
         check_param(t, u, index);
         units_[u].params.push_back(t);
@@ -355,8 +363,8 @@ class torch_hooks {
       }
     }
     if (index != eng.num_params()) {
-      core_detail::raise<invalid_argument>("torch_hooks: ", index, " torch parameters for the engine's ",
-                                      eng.num_params());
+      core_detail::raise<invalid_argument>("torch_hooks: ", index,
+                                           " torch parameters for the engine's ", eng.num_params());
     }
     // Give the module's parameters the engine's memory (ZeRO-3: none until a unit is gathered).
     for (std::size_t u = 0; u < units_.size(); ++u) {
@@ -431,7 +439,7 @@ class torch_hooks {
     check_unit(u, "param_index");
     if (k >= units_[u].params.size()) {
       core_detail::raise<invalid_argument>("torch_hooks::param_index: unit ", u, " has ",
-                                      units_[u].params.size(), " parameters, asked for #", k);
+                                           units_[u].params.size(), " parameters, asked for #", k);
     }
     return units_[u].first + k;
   }
@@ -462,25 +470,27 @@ class torch_hooks {
           "; the host engine needs CPU tensors");
     }
     if (!t.is_leaf()) {
-      core_detail::raise<invalid_argument>("torch_hooks: the torch tensor for '", name,
-                                      "' is not a leaf (a parameter), it is computed by autograd");
+      core_detail::raise<invalid_argument>(
+          "torch_hooks: the torch tensor for '", name,
+          "' is not a leaf (a parameter), it is computed by autograd");
     }
     if (eng_.unit_of(i) != u) {
-      core_detail::raise<invalid_argument>("torch_hooks: the engine has parameter '", name, "' in unit ",
-                                      eng_.unit_of(i), ", the torch lists in unit ", u);
+      core_detail::raise<invalid_argument>("torch_hooks: the engine has parameter '", name,
+                                           "' in unit ", eng_.unit_of(i),
+                                           ", the torch lists in unit ", u);
     }
     const std::size_t n = eng_.layout().param(i).numel;
     if (static_cast<std::size_t>(t.numel()) != n) {
       core_detail::raise<invalid_argument>("torch_hooks: the torch parameter for '", name,
-                                      "' has shape ", t.sizes(), " (", t.numel(),
-                                      " elements), the engine's has ", n);
+                                           "' has shape ", t.sizes(), " (", t.numel(),
+                                           " elements), the engine's has ", n);
     }
   }
 
   void check_unit(std::size_t u, const char* what) const {
     if (u >= units_.size()) {
       core_detail::raise<invalid_argument>("torch_hooks::", what, ": unit ", u, " out of range (",
-                                      units_.size(), " units)");
+                                           units_.size(), " units)");
     }
   }
 
@@ -507,10 +517,11 @@ class torch_hooks {
     drop_kept_grad();
     auto& x = units_[u];
     if (!x.in_backward) {
-      core_detail::raise<usage_error>("torch_hooks: the gradient of '", eng_.param_name(i),
-                                 "' arrived outside the backward of unit ", u,
-                                 ": its parameters must be used only inside torch_hooks::forward(",
-                                 u, ", ...), whose output must reach the loss");
+      core_detail::raise<usage_error>(
+          "torch_hooks: the gradient of '", eng_.param_name(i),
+          "' arrived outside the backward of unit ", u,
+          ": its parameters must be used only inside torch_hooks::forward(", u,
+          ", ...), whose output must reach the loss");
     }
     try {
       eng_.grad_ready(i, grad.contiguous());

@@ -55,6 +55,21 @@ class collective_mismatch : public comm_error {
   using comm_error::comm_error;
 };
 
+//! A file could not be opened, read, written, synced or renamed. The message names the file, the
+//! operation and the system's reason.
+class io_error : public error {
+ public:
+  using error::error;
+};
+
+//! A file holds something other than what was expected: a checkpoint or safetensors file that is
+//! truncated, corrupt (a checksum does not match), of an unknown format version, or of another
+//! model. The message names the file and the problem.
+class format_error : public error {
+ public:
+  using error::error;
+};
+
 namespace core_detail {
 
 //! Concatenates streamable values into a string (message building for exceptions).

@@ -68,13 +68,14 @@ struct flat_span {
     const std::size_t want =
         coords == flat_coords::full ? layout.padded_numel() : layout.shard_numel();
     if (size != want) {
-      core_detail::raise(who, ": the ", what, " buffer in ", name(coords), " coordinates has ", size,
-                    " elements, expected ", want,
-                    coords == flat_coords::full ? " (N·S, layout.padded_numel())"
-                                                : " (S, layout.shard_numel())");
+      core_detail::raise(who, ": the ", what, " buffer in ", name(coords), " coordinates has ",
+                         size, " elements, expected ", want,
+                         coords == flat_coords::full ? " (N·S, layout.padded_numel())"
+                                                     : " (S, layout.shard_numel())");
     }
     if (size != 0 && data == nullptr) {
-      core_detail::raise(who, ": the ", what, " buffer is null but should hold ", size, " elements");
+      core_detail::raise(who, ": the ", what, " buffer is null but should hold ", size,
+                         " elements");
     }
   }
 };

@@ -76,12 +76,14 @@ class flat_layout {
               std::size_t ranks, std::size_t alignment = 1)
       : ranks_(ranks), alignment_(alignment) {
     if (ranks == 0) core_detail::raise("flat_layout: ranks must be at least 1, got 0");
-    if (alignment == 0) core_detail::raise("flat_layout: alignment must be at least 1 element, got 0");
+    if (alignment == 0)
+      core_detail::raise("flat_layout: alignment must be at least 1 element, got 0");
     std::vector<std::size_t> starts(group_starts.begin(), group_starts.end());
     if (starts.empty()) starts.push_back(0);
     if (!numels.empty() || starts.size() > 1 || starts[0] != 0) {
       if (starts[0] != 0) {
-        core_detail::raise("flat_layout: the first group must start at parameter 0, got ", starts[0]);
+        core_detail::raise("flat_layout: the first group must start at parameter 0, got ",
+                           starts[0]);
       }
       for (std::size_t g = 1; g < starts.size(); ++g) {
         if (starts[g] <= starts[g - 1] || starts[g] >= numels.size()) {
@@ -223,11 +225,12 @@ class flat_layout {
   void check_param(std::size_t i) const {
     if (i >= params_.size()) {
       core_detail::raise("flat_layout: parameter ", i, " out of range (", params_.size(),
-                    " parameters)");
+                         " parameters)");
     }
   }
   void check_rank(std::size_t r) const {
-    if (r >= ranks_) core_detail::raise("flat_layout: rank ", r, " out of range (", ranks_, " ranks)");
+    if (r >= ranks_)
+      core_detail::raise("flat_layout: rank ", r, " out of range (", ranks_, " ranks)");
   }
 
   std::vector<param_entry> params_;

@@ -26,8 +26,9 @@ enum class memory_category : std::uint8_t {
   gathered_params,    //!< full parameters of gathered ZeRO-3 units (transient)
   grad_buckets,       //!< full-size gradient staging buckets before their reduce-scatter
   comm_scratch,       //!< other communication scratch space
+  io_staging,         //!< host staging of initialisation, checkpoints and exports (transient)
 };
-inline constexpr std::size_t memory_category_count = 7;
+inline constexpr std::size_t memory_category_count = 8;
 
 constexpr const char* name(memory_category c) noexcept {
   switch (c) {
@@ -45,6 +46,8 @@ constexpr const char* name(memory_category c) noexcept {
       return "grad_buckets";
     case memory_category::comm_scratch:
       return "comm_scratch";
+    case memory_category::io_staging:
+      return "io_staging";
   }
   return "unknown";
 }
@@ -67,8 +70,8 @@ class memory_ledger {
   void remove(memory_category c, std::size_t bytes) {
     auto& e = entries_[index(c)];
     if (bytes > e.current) {
-      core_detail::raise<error>("memory_ledger: releasing ", bytes, " bytes of ", name(c), " but only ",
-                           e.current, " are recorded");
+      core_detail::raise<error>("memory_ledger: releasing ", bytes, " bytes of ", name(c),
+                                " but only ", e.current, " are recorded");
     }
     e.current -= bytes;
     total_ -= bytes;

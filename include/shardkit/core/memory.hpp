@@ -76,8 +76,8 @@ class buffer {
     try {
       data_ = static_cast<T*>(space_allocator<Space>::allocate(bytes));
     } catch (const std::bad_alloc&) {
-      core_detail::raise<error>("allocating ", bytes, " bytes of ", name(category), " in ", Space::name,
-                           " memory failed");
+      core_detail::raise<error>("allocating ", bytes, " bytes of ", name(category), " in ",
+                                Space::name, " memory failed");
     }
     space_allocator<Space>::zero(data_, bytes);
     if (ledger_ != nullptr) ledger_->add(category_, bytes);

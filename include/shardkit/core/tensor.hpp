@@ -14,6 +14,10 @@
 //!       static std::size_t size(const my::Tensor& t) { return t.numel(); }
 //!     };
 //!
+//! An optional `static std::vector<std::size_t> shape(const my::Tensor& t)` gives the tensor's
+//! shape (its product must be size()); without it a tensor is one-dimensional. Checkpoints and
+//! safetensors exports record the shapes a model was registered with.
+//!
 //! Frameworks whose tensors carry their device at run time (LibTorch's torch::Tensor, for one)
 //! replace `memory_space` by `static shardkit::memory_kind memory(const my::Tensor& t);`. The
 //! engine then checks the memory of every tensor it is handed at run time, and its error names
@@ -33,6 +37,7 @@
 #include <ranges>
 #include <span>
 #include <type_traits>
+#include <vector>
 
 SHARDKIT_CORE_NAMESPACE_BEGIN
 
@@ -112,7 +117,8 @@ concept tensor = core_detail::has_space<T> && core_detail::has_element_type<T> &
 
 //! A tensor whose element type and memory space are known at compile time.
 template <class T>
-concept typed_tensor = tensor<T> && core_detail::has_static_dtype<T> && core_detail::has_static_space<T>;
+concept typed_tensor =
+    tensor<T> && core_detail::has_static_dtype<T> && core_detail::has_static_space<T>;
 
 //! The memory space of a tensor type (one with a static memory space).
 template <tensor T>
@@ -129,6 +135,17 @@ auto* tensor_data(T& t) {
 template <tensor T>
 std::size_t tensor_numel(const T& t) {
   return static_cast<std::size_t>(core_detail::traits_of<T>::size(t));
+}
+
+//! The tensor's shape: tensor_traits::shape(t) when the adapter gives one, else {size}.
+template <tensor T>
+std::vector<std::size_t> tensor_shape(const T& t) {
+  if constexpr (requires { core_detail::traits_of<T>::shape(t); }) {
+    auto s = core_detail::traits_of<T>::shape(t);
+    return std::vector<std::size_t>(s.begin(), s.end());
+  } else {
+    return {tensor_numel(t)};
+  }
 }
 
 //! Memory the tensor's elements live in, known statically or read from the tensor.
@@ -183,8 +200,9 @@ class tensor_view {
   //! Elements [offset, offset + count).
   constexpr tensor_view subview(std::size_t offset, std::size_t count) const {
     if (offset > size_ || count > size_ - offset) {
-      core_detail::raise<invalid_argument>("tensor_view::subview: range [", offset, ", ", offset + count,
-                                      ") exceeds the view's ", size_, " elements");
+      core_detail::raise<invalid_argument>("tensor_view::subview: range [", offset, ", ",
+                                           offset + count, ") exceeds the view's ", size_,
+                                           " elements");
     }
     return {data_ + offset, count};
   }
@@ -216,11 +234,11 @@ struct any_tensor_view {
   tensor_view<T, Space> as() const {
     if (type != dtype_of<std::remove_const_t<T>>) {
       core_detail::raise<invalid_argument>("tensor of ", name(type), " elements viewed as ",
-                                      name(dtype_of<std::remove_const_t<T>>));
+                                           name(dtype_of<std::remove_const_t<T>>));
     }
     if (space != memory_kind_of<Space>) {
-      core_detail::raise<invalid_argument>("tensor in ", name(space), " memory viewed as ", Space::name,
-                                      " memory");
+      core_detail::raise<invalid_argument>("tensor in ", name(space), " memory viewed as ",
+                                           Space::name, " memory");
     }
     if (read_only && !std::is_const_v<T>) {
       core_detail::raise<invalid_argument>("read-only tensor viewed as writable");

@@ -10,17 +10,21 @@
 //!     raw gradient g (already in fp32; `k.grad_scale` unscales/averages/clips it).
 //!   - optionally `validate(options)`: raises invalid_argument naming a hyper-parameter that is
 //!     out of range (called once per parameter group when an optimizer is built; the learning
-//!     rate is checked for every optimizer).
+//!     rate is checked for every optimizer);
+//!   - optionally `describe(options)`: the hyper-parameters by name, as checkpoint manifests
+//!     record them (without it, only the learning rate is recorded).
 //! Users can plug in their own optimizer by writing such a type.
 #pragma once
 
 #include <shardkit/config.hpp>
 #include <shardkit/core/error.hpp>
 
+#include <array>
 #include <cmath>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
 SHARDKIT_NAMESPACE_BEGIN
 
@@ -85,6 +89,15 @@ struct adam_family {
                      grad_scale};
   }
 
+  //! The hyper-parameters by name.
+  static std::array<std::pair<const char*, double>, 5> describe(const options& o) {
+    return {{{"lr", o.lr},
+             {"beta1", o.beta1},
+             {"beta2", o.beta2},
+             {"eps", o.eps},
+             {"weight_decay", o.weight_decay}}};
+  }
+
   //! Raises invalid_argument unless 0 <= beta1, beta2 < 1 and eps > 0.
   static void validate(const options& o) {
     if (!(o.beta1 >= 0.0f && o.beta1 < 1.0f) || !(o.beta2 >= 0.0f && o.beta2 < 1.0f)) {
@@ -135,6 +148,11 @@ struct sgd_momentum {
 
   static constants prepare(const options& o, std::uint64_t, float lr, float grad_scale) {
     return constants{lr, o.momentum, o.weight_decay, grad_scale};
+  }
+
+  //! The hyper-parameters by name.
+  static std::array<std::pair<const char*, double>, 3> describe(const options& o) {
+    return {{{"lr", o.lr}, {"momentum", o.momentum}, {"weight_decay", o.weight_decay}}};
   }
 
   template <class V>

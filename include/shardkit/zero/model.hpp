@@ -13,6 +13,17 @@
 //!
 //! The spec keeps views of the initial-value tensors; they must stay alive until the engine
 //! has been constructed (the engine copies them).
+//!
+//! A model too large for one rank is registered by shape, with an initialiser that fills any
+//! element range of a parameter (sharded initialisation: each rank fills only what it holds,
+//! so the same initialiser gives the same model at every N, and under ZeRO-3 no rank ever holds
+//! more than its shard plus one staging block):
+//!
+//!     model.add("wte", {vocab, d_model}, [](std::size_t offset, std::span<float> out) {
+//!       for (std::size_t k = 0; k < out.size(); ++k) out[k] = my_init(offset + k);
+//!     });
+//!
+//! io/safetensors.hpp gives an initialiser that reads a parameter's ranges from a file.
 #pragma once
 
 #include <shardkit/config.hpp>
@@ -20,6 +31,7 @@
 #include <shardkit/core/tensor.hpp>
 
 #include <cstddef>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -36,12 +48,32 @@ struct unit_options {
   bool reshard_after_forward = true;
 };
 
+//! Fills elements [offset, offset + out.size()) of one parameter (in its flat, row-major order)
+//! with their initial values. Called once per block of what a rank holds; it must give the
+//! same value for the same element whatever the blocks.
+using param_initializer = std::function<void(std::size_t offset, std::span<float> out)>;
+
+//! Elements of a tensor of `shape` (the product; 1 for a scalar's empty shape). Raises
+//! invalid_argument naming `what` when the product overflows std::size_t.
+inline std::size_t shape_numel(std::span<const std::size_t> shape, const std::string& what) {
+  std::size_t n = 1;
+  for (const std::size_t d : shape) {
+    if (__builtin_mul_overflow(n, d, &n)) {
+      detail::raise("model_spec: the shape of parameter '", what,
+                    "' has more elements than std::size_t can count");
+    }
+  }
+  return n;
+}
+
 class model_spec {
  public:
   struct param {
     std::string name;
     std::size_t numel = 0;
-    std::optional<any_tensor_view> initial;  //!< initial values; none = zeros
+    std::vector<std::size_t> shape;          //!< dimensions (row-major); their product is numel
+    std::optional<any_tensor_view> initial;  //!< initial values (host memory), or
+    param_initializer init;                  //!< an initialiser of any range; neither = zeros
     std::size_t param_group = 0;             //!< optimizer parameter group
   };
 
@@ -58,12 +90,27 @@ class model_spec {
       detail::raise("model_spec::add: parameter '", name, "' lives in ", shardkit::name(v.space),
                     " memory; initial values must be in host memory");
     }
-    return push(std::move(name), v.numel, v, param_group);
+    return push(std::move(name), v.numel, tensor_shape(initial), v, {}, param_group);
   }
 
-  //! Registers a zero-initialised parameter of `numel` elements.
+  //! Registers a zero-initialised parameter of `numel` elements (shape {numel}).
   std::size_t add(std::string name, std::size_t numel, std::size_t param_group = 0) {
-    return push(std::move(name), numel, std::nullopt, param_group);
+    return push(std::move(name), numel, {numel}, std::nullopt, {}, param_group);
+  }
+
+  //! Registers a zero-initialised parameter of `shape`.
+  std::size_t add(std::string name, std::vector<std::size_t> shape, std::size_t param_group = 0) {
+    const std::size_t n = shape_numel(shape, name);
+    return push(std::move(name), n, std::move(shape), std::nullopt, {}, param_group);
+  }
+
+  //! Registers a parameter of `shape` whose initial values `init` computes, range by range
+  //! (see the file comment).
+  std::size_t add(std::string name, std::vector<std::size_t> shape, param_initializer init,
+                  std::size_t param_group = 0) {
+    if (!init) detail::raise("model_spec::add: parameter '", name, "' has an empty initialiser");
+    const std::size_t n = shape_numel(shape, name);
+    return push(std::move(name), n, std::move(shape), std::nullopt, std::move(init), param_group);
   }
 
   //! The next parameter added starts a new unit (ZeRO-3 gathers and releases per unit).
@@ -112,17 +159,26 @@ class model_spec {
     return n;
   }
 
-  //! Total elements Ψ.
-  std::size_t numel() const noexcept {
+  //! Total elements Ψ. Raises invalid_argument when it overflows std::size_t.
+  std::size_t numel() const {
     std::size_t t = 0;
-    for (const auto& p : params_) t += p.numel;
+    for (const auto& p : params_) {
+      if (__builtin_add_overflow(t, p.numel, &t)) {
+        detail::raise("model_spec: the model has more elements than std::size_t can count");
+      }
+    }
     return t;
   }
 
  private:
-  std::size_t push(std::string name, std::size_t numel, std::optional<any_tensor_view> v,
+  std::size_t push(std::string name, std::size_t numel, std::vector<std::size_t> shape,
+                   std::optional<any_tensor_view> v, param_initializer init,
                    std::size_t param_group) {
     if (name.empty()) name = "param" + std::to_string(params_.size());
+    if (shape_numel(shape, name) != numel) {
+      detail::raise("model_spec::add: parameter '", name, "' has ", numel,
+                    " elements but its shape holds ", shape_numel(shape, name));
+    }
     if (!unit_starts_.empty() && unit_starts_.back() > params_.size()) {
       detail::raise("model_spec: internal unit bookkeeping error");
     }
@@ -131,7 +187,8 @@ class model_spec {
       unit_names_.push_back("unit0");
       unit_options_.push_back({});
     }
-    params_.push_back(param{std::move(name), numel, v, param_group});
+    params_.push_back(
+        param{std::move(name), numel, std::move(shape), v, std::move(init), param_group});
     return params_.size() - 1;
   }
 

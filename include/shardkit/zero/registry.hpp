@@ -37,6 +37,8 @@ class param_registry {
     for (const auto& p : ps) {
       names_.push_back(p.name);
       numels_.push_back(p.numel);
+      shapes_.push_back(p.shape.empty() && p.numel != 1 ? std::vector<std::size_t>{p.numel}
+                                                        : p.shape);
       groups_.push_back(p.param_group);
     }
     if (!numels_.empty() && unit_starts_.back() >= numels_.size()) {
@@ -52,6 +54,8 @@ class param_registry {
   std::size_t size() const noexcept { return names_.size(); }
   const std::string& name(std::size_t i) const { return names_.at(i); }
   std::size_t numel(std::size_t i) const { return numels_.at(i); }
+  //! Dimensions of parameter i (row-major; {numel} when registered by size).
+  const std::vector<std::size_t>& shape(std::size_t i) const { return shapes_.at(i); }
   //! Optimizer parameter group of parameter i (model_spec::add's param_group).
   std::size_t param_group(std::size_t i) const { return groups_.at(i); }
   std::span<const std::size_t> numels() const noexcept { return numels_; }
@@ -69,6 +73,15 @@ class param_registry {
   }
   //! Parameter index where each unit starts (the group starts of a unit layout).
   std::span<const std::size_t> unit_starts() const noexcept { return unit_starts_; }
+
+  //! Raises invalid_argument naming `who` unless [offset, offset + count) lies in parameter i.
+  void check_range(std::size_t i, std::size_t offset, std::size_t count, const char* who) const {
+    check_param(i, who);
+    if (offset > numels_[i] || count > numels_[i] - offset) {
+      detail::raise(who, ": elements [", offset, ", ", offset, " + ", count, ") of parameter '",
+                    names_[i], "' lie outside its ", numels_[i], " elements");
+    }
+  }
 
   //! Raises invalid_argument naming `who` unless i is a parameter index.
   void check_param(std::size_t i, const char* who) const {
@@ -107,6 +120,7 @@ class param_registry {
  private:
   std::vector<std::string> names_;
   std::vector<std::size_t> numels_;
+  std::vector<std::vector<std::size_t>> shapes_;
   std::vector<std::size_t> groups_;
   std::vector<std::size_t> unit_starts_{0};
   std::vector<std::string> unit_names_{"unit0"};

@@ -68,10 +68,12 @@ class replicated_params {
   }
 
   //! Sets parameter i from `values` (the whole parameter, host memory, fp32/bf16/fp16 of t).
-  void load(std::size_t i, const void* values, dtype t) {
-    reg_->check_param(i, "replicated_params::load");
+  void load(std::size_t i, const void* values, dtype t) { load(i, 0, reg_->numel(i), values, t); }
+  //! As above for elements [offset, offset + count) of parameter i only.
+  void load(std::size_t i, std::size_t offset, std::size_t count, const void* values, dtype t) {
+    reg_->check_range(i, offset, count, "replicated_params::load");
     const auto& p = layout_->param(i);
-    if (p.numel != 0) ops_.upload(values, t, params_.data() + p.offset, p.numel);
+    if (count != 0) ops_.upload(values, t, params_.data() + p.offset + offset, count);
   }
   //! Nothing to gather at the start.
   void start() noexcept {}

@@ -33,6 +33,7 @@
 #include <shardkit/kernels/math.hpp>
 #include <shardkit/zero/space_ops.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -150,24 +151,65 @@ class shard_optimizer {
   //! fp32/bf16/fp16 of dtype t): this rank keeps its pieces. With fp32 working parameters there
   //! is no master (the working buffer holds the values), and this does nothing.
   void load(std::size_t i, const void* values, dtype t) {
-    if (i >= layout_->num_params()) {
-      detail::raise("shard_optimizer::load: parameter index ", i, " out of range (",
-                    layout_->num_params(), " parameters)");
-    }
+    load(i, 0, layout_->param(i).numel, values, t);
+  }
+  //! As above for elements [offset, offset + count) of parameter i only (`values` holds those
+  //! count elements): what this rank owns of them is set. Sharded initialisation and
+  //! checkpoints load this way, range by range.
+  void load(std::size_t i, std::size_t offset, std::size_t count, const void* values, dtype t) {
+    check_range(i, offset, count, "shard_optimizer::load");
     if constexpr (has_master) {
-      for (const auto& pc : layout_->pieces_of(i)) {
-        if (static_cast<std::size_t>(pc.rank) != shard_index_) continue;
-        const auto* from = static_cast<const std::byte*>(values) + pc.param_offset * size_of(t);
-        ops_.upload(from, t, master_.data() + pc.shard_offset, pc.count);
-      }
+      for_each_owned(i, offset, count, [&](std::size_t at, std::size_t shard_at, std::size_t n) {
+        const auto* from = static_cast<const std::byte*>(values) + (at - offset) * size_of(t);
+        ops_.upload(from, t, master_.data() + shard_at, n);
+      });
     } else {
       (void)values;
       (void)t;
     }
   }
+
+  //! Sets optimizer state s of elements [offset, offset + count) of parameter i from `values`
+  //! (those count elements, host memory, dtype t): what this rank owns of them (checkpoints).
+  void load_state(std::size_t s, std::size_t i, std::size_t offset, std::size_t count,
+                  const void* values, dtype t) {
+    check_range(i, offset, count, "shard_optimizer::load_state");
+    float* st = state(s).data();
+    for_each_owned(i, offset, count, [&](std::size_t at, std::size_t shard_at, std::size_t n) {
+      const auto* from = static_cast<const std::byte*>(values) + (at - offset) * size_of(t);
+      ops_.upload(from, t, st + shard_at, n);
+    });
+  }
+
+  //! Calls f(param_offset, shard_offset, n) for the parts of elements [offset, offset + count)
+  //! of parameter i that this rank owns (in parameter order).
+  template <class F>
+  void for_each_owned(std::size_t i, std::size_t offset, std::size_t count, F&& f) const {
+    for (const auto& pc : layout_->pieces_of(i)) {
+      if (static_cast<std::size_t>(pc.rank) != shard_index_) continue;
+      const std::size_t b = std::max(offset, pc.param_offset);
+      const std::size_t e = std::min(offset + count, pc.param_offset + pc.count);
+      if (b < e) f(b, pc.shard_offset + (b - pc.param_offset), e - b);
+    }
+  }
+
+  //! Writes the rounded master into the slices of `working` this rank owns (what a step writes,
+  //! without stepping): after a load of the master. Nothing with fp32 working parameters.
+  void write_working(flat_span<Working, Space> working) {
+    if constexpr (has_master) {
+      working.check(*layout_, "shard_optimizer::write_working", "working-parameter");
+      for (const auto& ru : runs_) {
+        ops_.template convert_between<float, Working>(
+            master_.data() + ru.shard_offset, working.data + offset(working.coords, ru), ru.count);
+      }
+    } else {
+      (void)working;
+    }
+  }
+
   //! As above, from a host tensor of the parameter's size.
   template <tensor T>
-  void load(std::size_t i, const T& values) {
+  requires(!std::is_pointer_v<T>) void load(std::size_t i, const T& values) {
     const any_tensor_view v = erase(values);
     if (v.space != memory_kind::host || v.numel != layout_->param(i).numel) {
       detail::raise("shard_optimizer::load: parameter #", i, " needs a host tensor of ",
@@ -271,6 +313,8 @@ class shard_optimizer {
 
   //! Optimizer options of parameter group g.
   const options_type& options(std::size_t g = 0) const { return groups_.at(g); }
+  //! The element-wise operations of this optimizer's memory space.
+  const space_ops<Space>& ops() const noexcept { return ops_; }
   std::size_t num_groups() const noexcept { return groups_.size(); }
   //! Bytes this optimizer holds (the ledger it was given, or its own).
   const memory_ledger& memory() const noexcept { return *ledger_; }
@@ -282,6 +326,17 @@ class shard_optimizer {
     std::size_t count;
     std::size_t group;
   };
+  void check_range(std::size_t i, std::size_t offset, std::size_t count, const char* who) const {
+    if (i >= layout_->num_params()) {
+      detail::raise(who, ": parameter index ", i, " out of range (", layout_->num_params(),
+                    " parameters)");
+    }
+    const std::size_t n = layout_->param(i).numel;
+    if (offset > n || count > n - offset) {
+      detail::raise(who, ": elements [", offset, ", ", offset, " + ", count, ") of parameter #", i,
+                    " lie outside its ", n, " elements");
+    }
+  }
   static std::size_t offset(flat_coords c, const run& r) noexcept {
     return c == flat_coords::full ? r.full_offset : r.shard_offset;
   }

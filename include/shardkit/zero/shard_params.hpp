@@ -142,12 +142,18 @@ class shard_params {
 
   //! Sets this rank's pieces of parameter i from `values` (the whole parameter, host memory,
   //! fp32/bf16/fp16 of dtype t).
-  void load(std::size_t i, const void* values, dtype t) {
-    reg_->check_param(i, "shard_params::load");
+  void load(std::size_t i, const void* values, dtype t) { load(i, 0, reg_->numel(i), values, t); }
+  //! As above for elements [offset, offset + count) of parameter i only (`values` holds those
+  //! count elements): this rank keeps what it owns of them.
+  void load(std::size_t i, std::size_t offset, std::size_t count, const void* values, dtype t) {
+    reg_->check_range(i, offset, count, "shard_params::load");
     for (const auto& pc : layout_->pieces_of(i)) {
       if (static_cast<std::size_t>(pc.rank) != shard_index_) continue;
-      const auto* from = static_cast<const std::byte*>(values) + pc.param_offset * size_of(t);
-      ops_.upload(from, t, shard_.data() + pc.shard_offset, pc.count);
+      const std::size_t b = std::max(offset, pc.param_offset);
+      const std::size_t e = std::min(offset + count, pc.param_offset + pc.count);
+      if (b >= e) continue;
+      const auto* from = static_cast<const std::byte*>(values) + (b - offset) * size_of(t);
+      ops_.upload(from, t, shard_.data() + pc.shard_offset + (b - pc.param_offset), e - b);
     }
   }
 

@@ -101,6 +101,11 @@ struct space_ops<host_space> {
   void upload(const void* src, dtype t, D* dst, std::size_t n) const {
     host::convert(src, t, dst, dtype_of<D>, n);
   }
+  //! Buffer to buffer of this space, converting (round to nearest even when narrowing).
+  template <float_storage S, float_storage D>
+  void convert_between(const S* src, D* dst, std::size_t n) const {
+    host::convert(src, dst, n);
+  }
   //! Values of this space into host memory of dtype t.
   template <float_storage S>
   void download(const S* src, void* dst, dtype t, std::size_t n) const {
@@ -115,6 +120,11 @@ struct space_ops<host_space> {
   template <class Comm, class T>
   void all_reduce_host(Comm& comm, T* values, std::size_t n, reduce_op op) const {
     comm.all_reduce(values, values, n, op);
+  }
+  //! All-gather of a small host array: `out` holds comm.size()·n elements.
+  template <class Comm, class T>
+  void all_gather_host(Comm& comm, const T* in, T* out, std::size_t n) const {
+    comm.all_gather(in, out, n);
   }
 
   //! Exact gradient statistics over the runs for_each(f) visits, f(const G*, count).

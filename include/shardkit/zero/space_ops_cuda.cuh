@@ -138,6 +138,11 @@ struct space_ops<cuda_space> {
     copy_bytes_async(dst, tmp.data(), n * sizeof(D), stream_);
     synchronize();
   }
+  //! Device buffer to device buffer, converting (round to nearest even when narrowing).
+  template <float_storage S, float_storage D>
+  void convert_between(const S* src, D* dst, std::size_t n) const {
+    gpu::convert(src, dst, n, stream_);
+  }
   //! Device values into host memory of dtype t (waits for them).
   template <float_storage S>
   void download(const S* src, void* dst, dtype t, std::size_t n) const {
@@ -184,6 +189,25 @@ struct space_ops<cuda_space> {
     comm.all_reduce(dev, dev, n, op);
     copy_bytes_async(values, dev, n * sizeof(T), stream_);
     synchronize();
+  }
+
+  //! All-gather of a small host array through a device buffer: `out` holds comm.size()·n.
+  template <class Comm, class T>
+  void all_gather_host(Comm& comm, const T* in, T* out, std::size_t n) const {
+    if (n == 0) return;
+    const std::size_t N = static_cast<std::size_t>(comm.size());
+    buffer<T, cuda_space> dev;
+    {
+      auto s = scope();
+      dev = buffer<T, cuda_space>(n * (N + 1), nullptr, memory_category::comm_scratch);
+    }
+    copy_bytes_async(dev.data() + N * n, in, n * sizeof(T), stream_);
+    synchronize();
+    comm.all_gather(dev.data() + N * n, dev.data(), n);
+    copy_bytes_async(out, dev.data(), N * n * sizeof(T), stream_);
+    synchronize();
+    auto s = scope();
+    dev.release();
   }
 
   //! Exact statistics on the device (bit-identical to the host's for any split), one copy of
