@@ -372,8 +372,9 @@ pending_save<Engine> save_async(Engine& e, const std::string& dir, save_options 
   }
   const auto ready = detail::agree(world, e.space(), prep);
   if (ready[0].failed != 0) {
-    throw io_error(shardkit::detail::concat("checkpoint save to '", dir, "' could not start (rank ",
-                                            "0): ", ready[0].message));
+    throw io_error(shardkit::detail::concat("checkpoint save to '", dir,
+                                            "' could not start; the previous contents of '", dir,
+                                            "' are unchanged: rank 0: ", ready[0].message));
   }
   st->m = detail::describe_engine(e);
   for (std::size_t q = 0; q < N; ++q) {
