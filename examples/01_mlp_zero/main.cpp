@@ -12,10 +12,17 @@
 //   shardkit_example_01_mlp_zero --json          (one JSON object instead of the tables)
 //   shardkit_example_01_mlp_zero --check         (exit 1 unless loss falls and bytes match)
 //   mpiexec -np 4 shardkit_example_01_mlp_zero   (one rank per MPI process; rank 0 prints)
+//   shardkit_example_01_mlp_zero --steps 10 --save ckpt      (a sharded checkpoint at the end)
+//   shardkit_example_01_mlp_zero --resume ckpt --steps 10    (10 more steps; any --ranks/--stage)
+//   shardkit_example_01_mlp_zero --export model.safetensors  (the weights, one standard file)
 //
 // The same binary does both: it initialises MPI only when an MPI launcher started it
 // (shardkit::launched_by_mpi()), and it is built without MPI where shardkit::mpi is missing.
 #include <shardkit/shardkit.hpp>
+#if defined(SHARDKIT_EXAMPLE_IO)
+#include <shardkit/io/checkpoint.hpp>
+#include <shardkit/io/export.hpp>
+#endif
 
 #include "../common/args.hpp"
 #include "../common/format.hpp"
@@ -54,6 +61,10 @@ struct config {
   std::size_t hybrid = 0;    // shard within groups of this many ranks (0: all)
   bool json = false;
   bool check = false;
+  std::string save;         // checkpoint directory to save to at the end
+  std::string resume;       // checkpoint directory to resume from
+  std::string export_path;  // safetensors file to export to at the end
+  int first_step = 0;       // steps already taken (the resumed checkpoint's)
 };
 
 // A command line that cannot be used: main prints it (once, under MPI) and exits with 2.
@@ -71,6 +82,7 @@ void print_usage(const std::string& why) {
                "         [--layers a,b,c,...] [--dtype fp32|bf16] [--batch B] [--lr X]\n"
                "         [--bucket ELEMS] [--prefetch D] [--hybrid G] [--seed S] [--json] "
                "[--check]\n"
+               "         [--save DIR] [--resume DIR] [--export FILE.safetensors]\n"
                "       mpiexec -np N shardkit_example_01_mlp_zero [same options; --ranks N or "
                "none]\n";
 }
@@ -122,6 +134,12 @@ config parse(int argc, char** argv) {
       c.json = true;
     else if (a == "--check")
       c.check = true;
+    else if (a == "--save")
+      c.save = value();
+    else if (a == "--resume")
+      c.resume = value();
+    else if (a == "--export")
+      c.export_path = value();
     else if (a == "--help" || a == "-h")
       usage("help requested");
     else
@@ -142,6 +160,7 @@ struct run_result {
   std::size_t padded_elems = 0;
   std::size_t gathered_peak = 0;  // ZeRO-3
   std::uint64_t gathered_bound = 0;
+  std::uint64_t params_hash = 0;  // of the final working parameters' bits
 };
 
 // One rank's training, written once for any communicator.
@@ -163,11 +182,14 @@ run_result train_rank(const config& c, Comm& comm, std::size_t batch) {
   eo.prefetch = c.prefetch;
   eo.shard_group_size = c.hybrid;
   engine_t eng(comm, model, {.lr = c.lr, .weight_decay = c.weight_decay}, eo);
+#if defined(SHARDKIT_EXAMPLE_IO)
+  if (!c.resume.empty()) shardkit::io::load(eng, c.resume);  // any world size and stage
+#endif
 
   run_result r;
   mlp::batch b;
   std::vector<float> gW, gb;
-  for (int step = 0; step < c.steps; ++step) {
+  for (int step = c.first_step; step < c.first_step + c.steps; ++step) {
     const std::uint64_t first = static_cast<std::uint64_t>(step) * batch * ranks +
                                 static_cast<std::uint64_t>(comm.rank()) * batch;
     mlp::load(shape, data, first, batch, b);
@@ -192,13 +214,25 @@ run_result train_rank(const config& c, Comm& comm, std::size_t batch) {
     r.losses.push_back(loss / static_cast<double>(batch * static_cast<std::size_t>(ranks)));
     r.sent_per_step = rep.bytes_sent;
   }
+#if defined(SHARDKIT_EXAMPLE_IO)
+  if (!c.save.empty()) shardkit::io::save(eng, c.save);
+  if (!c.export_path.empty()) shardkit::io::export_safetensors(eng, c.export_path);
+#endif
+  shardkit::stable_hash h;
   for (std::size_t l = 0; l < shape.layers(); ++l) {
     eng.pre_forward(l);
     for (std::size_t i = 2 * l; i < 2 * l + 2; ++i) {
-      for (auto v : eng.param(i)) r.params.push_back(static_cast<float>(v));
+      for (auto v : eng.param(i)) {
+        r.params.push_back(static_cast<float>(v));
+        if constexpr (std::is_same_v<W, float>)
+          h.f32(v);
+        else
+          h.u64(v.bits);
+      }
     }
     eng.post_forward(l);
   }
+  r.params_hash = h.value();
   r.measured = eng.measured_state_bytes();
   r.formula = eng.expected_state_bytes();
   r.grad_bucket_peak = eng.memory().peak(shardkit::memory_category::grad_buckets);
@@ -303,7 +337,9 @@ int report(const config& c, const run_result& r, const run_result& ref, const ch
     for (std::size_t i = 0; i < r.losses.size(); ++i) {
       std::printf("%s%.6f", i ? ", " : "", r.losses[i]);
     }
-    std::printf("],\n \"max_abs_diff_vs_unsharded\": %.6g}\n", max_diff);
+    std::printf("],\n \"first_step\": %d, \"params_hash\": \"%016" PRIx64 "\",\n", c.first_step + 1,
+                r.params_hash);
+    std::printf(" \"max_abs_diff_vs_unsharded\": %.6g}\n", max_diff);
   } else {
     std::printf("shardkit %s example 01: MLP ", SHARDKIT_VERSION_STRING);
     for (std::size_t i = 0; i < c.layers.size(); ++i)
@@ -319,9 +355,12 @@ int report(const config& c, const run_result& r, const run_result& ref, const ch
           "the replicas' all-reduce of the gradient shard)\n\n",
           c.hybrid, static_cast<std::size_t>(N) / c.hybrid);
     }
+    if (!c.resume.empty()) {
+      std::printf("resumed from %s at step %d\n\n", c.resume.c_str(), c.first_step);
+    }
     std::printf("step   loss (global batch of %zu)\n", c.batch * static_cast<std::size_t>(N));
     for (std::size_t i = 0; i < r.losses.size(); ++i)
-      std::printf("%4zu   %.4f\n", i + 1, r.losses[i]);
+      std::printf("%4zu   %.4f\n", static_cast<std::size_t>(c.first_step) + i + 1, r.losses[i]);
     std::printf(
         "\nbytes held per rank (rank 0)  measured      formula   "
         "(S = %zu elements per rank, N*S = %zu)\n",
@@ -359,11 +398,31 @@ int report(const config& c, const run_result& r, const run_result& ref, const ch
   return 0;
 }
 
-// The same global batch on one in-process rank without sharding: the reference.
+// The same global batch on one in-process rank without sharding, from the start (all the
+// steps a resumed run has taken too), saving and exporting nothing: the reference.
 run_result reference(const config& c) {
   config single = c;
   single.hybrid = 0;
+  single.steps = c.first_step + c.steps;
+  single.first_step = 0;
+  single.save.clear();
+  single.resume.clear();
+  single.export_path.clear();
   return train_any(single, 0, c.batch * static_cast<std::size_t>(c.ranks), thread_launch{1});
+}
+
+// The options that need checkpoints, and the step a resumed run starts at.
+void prepare_io(config& c) {
+#if defined(SHARDKIT_EXAMPLE_IO)
+  if (!c.resume.empty())
+    c.first_step = static_cast<int>(shardkit::io::read_manifest(c.resume).step);
+#else
+  if (!c.save.empty() || !c.resume.empty() || !c.export_path.empty()) {
+    throw std::runtime_error(
+        "this build has no checkpoints (shardkit::io needs nlohmann-json and "
+        "xxHash: scripts/install-deps installs them)");
+  }
+#endif
 }
 
 // Ranks as threads of this process (the default).
@@ -375,6 +434,7 @@ int main_threads(int argc, char** argv) try {
     print_usage(u.why);
     return 2;
   }
+  prepare_io(c);
   const run_result r = train_any(c, c.stage, c.batch, thread_launch{c.ranks});
   const run_result ref = reference(c);
   return report(c, r, ref, "thread", "in-process ranks");
@@ -404,6 +464,7 @@ int main_mpi(int& argc, char**& argv) {
       return 2;
     }
     c.ranks = comm.size();
+    prepare_io(c);
     const run_result r = train_any(c, c.stage, c.batch, mpi_launch{comm});
     int status = 0;
     if (printer) {

@@ -17,8 +17,15 @@
 //
 //   shardkit_example_03_libtorch --stage 3 --ranks 4 --steps 20
 //   shardkit_example_03_libtorch --stage 2 --dtype bf16 --json
+//   shardkit_example_03_libtorch --steps 10 --save ckpt          (a sharded checkpoint)
+//   shardkit_example_03_libtorch --resume ckpt --steps 10 --json  (10 more steps)
+//   shardkit_example_03_libtorch --export model.safetensors       (the weights, one file)
 #include <shardkit/adapters/torch.hpp>
 #include <shardkit/shardkit.hpp>
+#if defined(SHARDKIT_EXAMPLE_IO)
+#include <shardkit/io/checkpoint.hpp>
+#include <shardkit/io/export.hpp>
+#endif
 
 #include "../common/args.hpp"
 
@@ -29,6 +36,7 @@
 #include <cstdlib>
 #include <functional>
 #include <iostream>
+#include <stdexcept>
 #include <string>
 #include <torch/torch.h>
 #include <vector>
@@ -50,13 +58,16 @@ struct config {
   std::uint64_t seed = 1;
   std::size_t prefetch = 1;  // ZeRO-3: units gathered ahead
   bool json = false;
+  std::string save, resume, export_path;  // checkpoint to save to / resume from; safetensors
+  int first_step = 0;                     // steps already taken (the resumed checkpoint's)
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::cerr << "error: " << why << "\n"
             << "usage: shardkit_example_03_libtorch [--stage 0|1|2|3] [--ranks N] [--steps K]\n"
                "         [--dtype fp32|bf16] [--blocks B] [--width W] [--batch GLOBAL_BATCH]\n"
-               "         [--lr X] [--seed S] [--prefetch D] [--json]\n";
+               "         [--lr X] [--seed S] [--prefetch D] [--json]\n"
+               "         [--save DIR] [--resume DIR] [--export FILE.safetensors]\n";
   std::exit(2);
 }
 
@@ -95,6 +106,12 @@ config parse(int argc, char** argv) {
       if (c.dtype != "fp32" && c.dtype != "bf16") usage("--dtype must be fp32 or bf16");
     } else if (a == "--json")
       c.json = true;
+    else if (a == "--save")
+      c.save = value();
+    else if (a == "--resume")
+      c.resume = value();
+    else if (a == "--export")
+      c.export_path = value();
     else if (a == "--help" || a == "-h")
       usage("help requested");
     else
@@ -156,7 +173,7 @@ TORCH_MODULE(Net);
 // ---- the problem: data and initial values, the same for every run --------------------------
 
 struct problem {
-  torch::Tensor x, y;                // steps * batch samples
+  torch::Tensor x, y;                // (first_step + steps) * batch samples
   std::vector<torch::Tensor> init;   // initial parameter values (fp32), in unit order
   std::vector<std::string> names;    // their names
   std::vector<std::size_t> unit_of;  // and units
@@ -164,14 +181,24 @@ struct problem {
 
 problem make_problem(const config& c) {
   problem p;
+  // A fixed random teacher, y = tanh(x A) B + noise, and each step's batch from a seed of its
+  // own: the data of step t is the same whatever the number of steps, so a resumed run sees
+  // the batches the uninterrupted one did.
   torch::manual_seed(static_cast<std::uint64_t>(c.seed));
-  const std::int64_t n = static_cast<std::int64_t>(c.steps) * c.batch;
-  p.x = torch::randn({n, c.inputs});
-  // A fixed random teacher: y = tanh(x A) B + noise.
   const auto A = torch::randn({c.inputs, 32}) / std::sqrt(static_cast<double>(c.inputs));
   const auto B = torch::randn({32, c.outputs}) / std::sqrt(32.0);
-  p.y = torch::tanh(p.x.matmul(A)).matmul(B) + 0.05 * torch::randn({n, c.outputs});
-  Net net(c);  // torch's default initialisation, from the same seed sequence
+  std::vector<torch::Tensor> xs, ys;
+  for (int t = 0; t < c.first_step + c.steps; ++t) {
+    torch::manual_seed(static_cast<std::uint64_t>(c.seed) * 1'000'003 +
+                       static_cast<std::uint64_t>(t) + 1);
+    xs.push_back(torch::randn({c.batch, c.inputs}));
+    ys.push_back(torch::tanh(xs.back().matmul(A)).matmul(B) +
+                 0.05 * torch::randn({c.batch, c.outputs}));
+  }
+  p.x = torch::cat(xs);
+  p.y = torch::cat(ys);
+  torch::manual_seed(static_cast<std::uint64_t>(c.seed));
+  Net net(c);  // torch's default initialisation, from the seed
   for (std::size_t u = 0; u < net->num_units(); ++u) {
     for (const auto& kv : net->unit(u)->named_parameters()) {
       p.init.push_back(kv.value().detach().clone());
@@ -186,6 +213,7 @@ struct run_result {
   std::vector<double> losses;  // mean loss over the global batch, per step
   std::vector<float> params;   // final parameters, in unit order
   double seconds = 0.0;
+  std::uint64_t params_hash = 0;                  // of the final parameters' bits
   shardkit::plan::state_bytes measured, formula;  // rank 0's ledger and the closed form
   std::size_t gathered_peak = 0;                  // ZeRO-3: gathered parameter bytes, peak
   std::uint64_t gathered_bound = 0;
@@ -222,6 +250,9 @@ run_result train_shardkit(const config& c, const problem& pb) {
     std::vector<std::vector<torch::Tensor>> unit_params;
     for (std::size_t u = 0; u < net->num_units(); ++u)
       unit_params.push_back(net->unit(u)->parameters());
+#if defined(SHARDKIT_EXAMPLE_IO)
+    if (!c.resume.empty()) shardkit::io::load(eng, c.resume);  // the torch tensors see it
+#endif
     shardkit::torch_hooks<engine_t> hooks(eng, unit_params);
     run_result r;
     net->around = [&](std::size_t u, const std::function<torch::Tensor()>& unit_forward) {
@@ -238,7 +269,7 @@ run_result train_shardkit(const config& c, const problem& pb) {
       });
     };
 
-    for (int step = 0; step < c.steps; ++step) {
+    for (int step = c.first_step; step < c.first_step + c.steps; ++step) {
       const std::int64_t first = static_cast<std::int64_t>(step) * c.batch + comm.rank() * local;
       const torch::Tensor x = pb.x.narrow(0, first, local);
       const torch::Tensor y = pb.y.narrow(0, first, local);
@@ -255,15 +286,24 @@ run_result train_shardkit(const config& c, const problem& pb) {
       comm.all_reduce(&l, &l, 1, shardkit::reduce_op::sum);
       r.losses.push_back(l / c.ranks);
     }
+#if defined(SHARDKIT_EXAMPLE_IO)
+    if (!c.save.empty()) shardkit::io::save(eng, c.save);
+    if (!c.export_path.empty()) shardkit::io::export_safetensors(eng, c.export_path);
+#endif
     // Final parameters (ZeRO-3: gathered unit by unit; every rank takes part).
+    shardkit::stable_hash h;
     for (std::size_t u = 0; u < eng.num_units(); ++u) {
       eng.pre_forward(u);
       for (std::size_t i = 0; i < eng.num_params(); ++i) {
         if (eng.unit_of(i) != u) continue;
-        for (auto v : eng.param(i)) r.params.push_back(static_cast<float>(v));
+        for (auto v : eng.param(i)) {
+          r.params.push_back(static_cast<float>(v));
+          h.f32(static_cast<float>(v));
+        }
       }
       eng.post_forward(u);
     }
+    r.params_hash = h.value();
     net->around = nullptr;  // it refers to `hooks` and `eng`, which end with this rank
     for (const auto& p : net->parameters()) {
       if (!shardkit::torch_is_bound(p)) r.torch_owned_param_bytes += p.nbytes();
@@ -309,14 +349,14 @@ run_result train_torch(const config& c, const problem& pb) {
       torch::optim::AdamWOptions(c.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(c.weight_decay));
   run_result r;
   const auto start = std::chrono::steady_clock::now();
-  for (int step = 0; step < c.steps; ++step) {
+  for (int step = 0; step < c.first_step + c.steps; ++step) {  // from the start
     const std::int64_t first = static_cast<std::int64_t>(step) * c.batch;
     opt.zero_grad();
     torch::Tensor loss = torch::mse_loss(net->forward(pb.x.narrow(0, first, c.batch)),
                                          pb.y.narrow(0, first, c.batch));
     loss.backward();
     opt.step();
-    r.losses.push_back(loss.item<double>());
+    if (step >= c.first_step) r.losses.push_back(loss.item<double>());
   }
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   for (const auto& p : net->parameters()) {
@@ -335,7 +375,17 @@ void print_array(const char* key, const std::vector<double>& v) {
 }  // namespace
 
 int main(int argc, char** argv) try {
-  const config c = parse(argc, argv);
+  config c = parse(argc, argv);
+#if defined(SHARDKIT_EXAMPLE_IO)
+  if (!c.resume.empty())
+    c.first_step = static_cast<int>(shardkit::io::read_manifest(c.resume).step);
+#else
+  if (!c.save.empty() || !c.resume.empty() || !c.export_path.empty()) {
+    throw std::runtime_error(
+        "this build has no checkpoints (shardkit::io needs nlohmann-json and "
+        "xxHash: scripts/install-deps installs them)");
+  }
+#endif
   // One intra-op thread: the ranks are threads already, and results stay deterministic.
   torch::set_num_threads(1);
   const problem pb = make_problem(c);
@@ -369,6 +419,8 @@ int main(int argc, char** argv) try {
                 ", \"torch_owned_param_bytes\": %zu, \"alias_mismatches\": %zu,\n",
                 sk.measured.total(), sk.formula.total(), sk.gathered_peak, sk.gathered_bound,
                 sk.torch_owned_param_bytes, sk.alias_mismatches);
+    std::printf(" \"first_step\": %d, \"params_hash\": \"%016" PRIx64 "\",\n", c.first_step + 1,
+                sk.params_hash);
     std::printf(" \"seconds_shardkit\": %.3f, \"seconds_torch\": %.3f}\n", sk.seconds, ref.seconds);
   } else {
     std::printf(
@@ -379,7 +431,8 @@ int main(int argc, char** argv) try {
         c.dtype.c_str(), static_cast<double>(c.lr), static_cast<double>(c.weight_decay));
     std::printf("step   loss shardkit   loss torch   (global batch of %d)\n", c.batch);
     for (std::size_t i = 0; i < sk.losses.size(); ++i) {
-      std::printf("%4zu   %12.6f   %10.6f\n", i + 1, sk.losses[i], ref.losses[i]);
+      std::printf("%4zu   %12.6f   %10.6f\n", static_cast<std::size_t>(c.first_step) + i + 1,
+                  sk.losses[i], ref.losses[i]);
     }
     std::printf("\nmax |param shardkit - param torch| = %.3g   (expected below %g for %s)\n",
                 max_param_diff, expected, c.dtype.c_str());

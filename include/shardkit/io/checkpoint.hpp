@@ -362,6 +362,7 @@ pending_save<Engine> save_async(Engine& e, const std::string& dir, save_options 
   if (me == 0) {
     try {
       if (dir.empty()) shardkit::detail::raise("checkpoint save: empty directory name");
+      make_directories(parent_of(dir));
       remove_all(st->tmp);
       make_directory(st->tmp);
       if (opts.on_moment) opts.on_moment("partial directory created");

@@ -106,6 +106,7 @@ void export_safetensors(Engine& e, const std::string& path, export_options opts 
     }
     header = safetensors_header_for(names, shapes, opts.type, meta, offsets, data_bytes);
     if (me == 0) {
+      make_directories(parent_of(path));
       file f = file::create(tmp);
       f.resize(8 + header.size() + data_bytes);
       unsigned char size[8];

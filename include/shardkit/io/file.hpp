@@ -162,6 +162,15 @@ inline void make_directory(const std::string& path) {
   if (::mkdir(path.c_str(), 0755) != 0) raise_errno("creating directory", path, errno);
 }
 
+//! Creates directory `path` and any missing parents (nothing when it exists).
+inline void make_directories(const std::string& path) {
+  if (path.empty() || path == "." || exists(path)) return;
+  if (int e = detail::injected("mkdir", path)) raise_errno("creating directory", path, e);
+  std::error_code ec;
+  std::filesystem::create_directories(path, ec);
+  if (ec) raise_errno("creating directory", path, ec.value());
+}
+
 //! Removes `path` and everything below it (nothing when it does not exist).
 inline void remove_all(const std::string& path) {
   std::error_code ec;
