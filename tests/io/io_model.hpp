@@ -76,6 +76,21 @@ template <int Stage, class W = shardkit::bf16>
 using engine_t =
     shardkit::engine<shardkit::thread_comm, shardkit::stage<Stage>, W, shardkit::adamw>;
 
+//! Calls f.template operator()<S>() for the run-time stage s (0 to 3).
+template <class F>
+decltype(auto) with_stage(int s, F&& f) {
+  switch (s) {
+    case 0:
+      return f.template operator()<0>();
+    case 1:
+      return f.template operator()<1>();
+    case 2:
+      return f.template operator()<2>();
+    default:
+      return f.template operator()<3>();
+  }
+}
+
 //! Runs `steps` steps from global step `first` with deterministic gradients (they depend on the
 //! step, the rank, the parameter and the element).
 template <class Engine>

@@ -20,6 +20,7 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 using namespace shardkit;
@@ -27,10 +28,26 @@ using Catch::Contains;
 
 namespace {
 
-std::string test_dir() {
-  const auto d = std::filesystem::temp_directory_path() / "shardkit-io-tests" / "safetensors";
-  std::filesystem::create_directories(d);
-  return d.string();
+//! A scratch directory of this process (test binaries of other builds may run at the same
+//! time), removed at exit.
+struct scratch_dir {
+  std::string path;
+  scratch_dir() {
+    path = (std::filesystem::temp_directory_path() /
+            ("shardkit-safetensors-" + std::to_string(::getpid())))
+               .string();
+    std::filesystem::create_directories(path);
+  }
+  ~scratch_dir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  scratch_dir(const scratch_dir&) = delete;
+  scratch_dir& operator=(const scratch_dir&) = delete;
+};
+const std::string& test_dir() {
+  static const scratch_dir d;
+  return d.path;
 }
 
 std::string read_bytes(const std::string& path) {
@@ -304,21 +321,6 @@ TEST_CASE(
 
 namespace {
 
-//! Calls f.template operator()<S>() for the run-time stage s.
-template <class F>
-decltype(auto) with_stage(int s, F&& f) {
-  switch (s) {
-    case 0:
-      return f.template operator()<0>();
-    case 1:
-      return f.template operator()<1>();
-    case 2:
-      return f.template operator()<2>();
-    default:
-      return f.template operator()<3>();
-  }
-}
-
 //! Trains the model two steps on n ranks at stage S (working type W), exports it to `path` as
 //! `type`, and returns what each rank held.
 template <int S, class W>
@@ -406,7 +408,7 @@ void fp32_round_trip(int n, int t, int m, const std::string& path) {
   REQUIRE(a.kinds[0] != initial_values());  // it trained: not the initial values
   CHECK(file_values(path, "F32", "2") == a.kinds[0]);
   const auto b =
-      iot::assemble(with_stage(t, [&]<int T>() { return import_run<T, bf16>(m, path); }));
+      iot::assemble(iot::with_stage(t, [&]<int T>() { return import_run<T, bf16>(m, path); }));
   REQUIRE(b.failure == "");
   CHECK(b.kinds[0] == a.kinds[0]);  // master
   CHECK(b.working == a.working);    // and the bf16 working copy, its rounding
@@ -422,7 +424,7 @@ void bf16_round_trip(int n, int t, int m, const std::string& path) {
     for (auto& x : p) x <<= 16;
   CHECK(file_values(path, "BF16", "2") == widened);
   const auto b =
-      iot::assemble(with_stage(t, [&]<int T>() { return import_run<T, bf16>(m, path); }));
+      iot::assemble(iot::with_stage(t, [&]<int T>() { return import_run<T, bf16>(m, path); }));
   REQUIRE(b.failure == "");
   CHECK(b.working == a.working);
   CHECK(b.kinds[0] == widened);  // the new master is exactly the bf16 values
@@ -439,7 +441,7 @@ TEST_CASE("an export imported at another world size and stage holds the exported
       const int t = (s + n) % 4;  // another stage (every pair of stages somewhere)
       CAPTURE(s, n, t, m);
       const std::string tag = std::to_string(s) + "-" + std::to_string(n);
-      with_stage(s, [&]<int S>() {
+      iot::with_stage(s, [&]<int S>() {
         fp32_round_trip<S>(n, t, m, dir + "/fp32-" + tag + ".safetensors");
         bf16_round_trip<S>(n, t, m, dir + "/bf16-" + tag + ".safetensors");
       });
