@@ -73,7 +73,7 @@ class block_file_writer {
     if (in_block_ != 0) end_block();
     flush();
     std::vector<unsigned char> tail(table_.size() * 8 + block_file_footer_bytes);
-    std::memcpy(tail.data(), table_.data(), table_.size() * 8);
+    if (!table_.empty()) std::memcpy(tail.data(), table_.data(), table_.size() * 8);  // (no data)
     unsigned char* f = tail.data() + table_.size() * 8;
     std::memcpy(f, block_file_magic, 8);
     const std::uint64_t fields[4] = {block_bytes_, data_bytes_, table_.size(),
