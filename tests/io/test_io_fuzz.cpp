@@ -385,18 +385,18 @@ TEST_CASE(
   REQUIRE(fuzz::check_manifest(base, path));
   rng r{20240615};
   tally raw, signed_text, structured;
-  for (int i = 0; i < 4000; ++i) {  // text mutations, as damage leaves them
+  for (int i = 0; i < 2000; ++i) {  // text mutations, as damage leaves them
     std::string t = base;
     for (std::size_t k = 0, m = 1 + r.below(3); k < m; ++k) t = mutate_text(t, r);
     raw(run_case("manifest-raw", i, t, [&] { return fuzz::check_manifest(t, path); }));
   }
-  for (int i = 0; i < 4000; ++i) {  // text mutations signed again: the parser past the checksum
+  for (int i = 0; i < 2500; ++i) {  // text mutations signed again: the parser past the checksum
     std::string t = base;
     for (std::size_t k = 0, m = 1 + r.below(3); k < m; ++k) t = mutate_text(t, r);
     t = fuzz::resign_manifest(t);
     signed_text(run_case("manifest-text", i, t, [&] { return fuzz::check_manifest(t, path); }));
   }
-  for (int i = 0; i < 6000; ++i) {  // values of other types, keys removed and added, signed
+  for (int i = 0; i < 3500; ++i) {  // values of other types, keys removed and added, signed
     json j = json::parse(base);
     for (std::size_t k = 0, m = 1 + r.below(3); k < m; ++k) mutate_node(j, r);
     std::string t = r.chance(50) ? j.dump(1) : j.dump();
@@ -405,12 +405,12 @@ TEST_CASE(
   }
   CAPTURE(raw.accepted, raw.rejected, signed_text.accepted, signed_text.rejected,
           structured.accepted, structured.rejected);
-  CHECK(raw.rejected > 3500);  // damage is found (by the checksum, mostly)
+  CHECK(raw.rejected > 1700);  // damage is found (by the checksum, mostly)
   // signed mutations reach the checks behind the checksum: some pass them, many do not
-  CHECK(signed_text.accepted > 100);
-  CHECK(signed_text.rejected > 1000);
-  CHECK(structured.accepted > 300);
-  CHECK(structured.rejected > 3000);
+  CHECK(signed_text.accepted > 50);
+  CHECK(signed_text.rejected > 1500);
+  CHECK(structured.accepted > 150);
+  CHECK(structured.rejected > 2000);
 }
 
 TEST_CASE(
@@ -422,13 +422,13 @@ TEST_CASE(
   REQUIRE(fuzz::check_safetensors_header(base, data, path));
   rng r{777};
   tally text, structured;
-  for (int i = 0; i < 5000; ++i) {
+  for (int i = 0; i < 3000; ++i) {
     std::string t = base;
     for (std::size_t k = 0, m = 1 + r.below(3); k < m; ++k) t = mutate_text(t, r);
     text(run_case("header-text", i, t,
                   [&] { return fuzz::check_safetensors_header(t, data, path); }));
   }
-  for (int i = 0; i < 5000; ++i) {
+  for (int i = 0; i < 3000; ++i) {
     json j = json::parse(base);
     for (std::size_t k = 0, m = 1 + r.below(3); k < m; ++k) mutate_node(j, r);
     const std::string t = j.dump();
@@ -439,10 +439,10 @@ TEST_CASE(
         run_case("header-json", i, t, [&] { return fuzz::check_safetensors_header(t, d, path); }));
   }
   CAPTURE(text.accepted, text.rejected, structured.accepted, structured.rejected);
-  CHECK(text.accepted > 200);  // (spaces, reordered keys, metadata changes pass)
-  CHECK(text.rejected > 2000);
-  CHECK(structured.accepted > 200);
-  CHECK(structured.rejected > 2000);
+  CHECK(text.accepted > 100);  // (spaces, reordered keys, metadata changes pass)
+  CHECK(text.rejected > 1200);
+  CHECK(structured.accepted > 50);
+  CHECK(structured.rejected > 1200);
 }
 
 TEST_CASE(
