@@ -396,10 +396,6 @@ std::vector<std::vector<std::uint32_t>> initial_values() {
   return out;
 }
 
-}  // namespace
-
-namespace {
-
 //! fp32 export at stage S on n ranks, import at stage t on m: the fp32 master, bit for bit.
 template <int S>
 void fp32_round_trip(int n, int t, int m, const std::string& path) {
@@ -437,8 +433,8 @@ TEST_CASE("an export imported at another world size and stage holds the exported
   const std::string dir = test_dir();
   for (int s = 0; s < 4; ++s) {
     for (int n = 1; n <= 4; ++n) {
-      const int m = n % 4 + 1;    // another world size: 2, 3, 4, 1
-      const int t = (s + n) % 4;  // another stage (every pair of stages somewhere)
+      const int m = n % 4 + 1;    // always another world size: 2, 3, 4, 1
+      const int t = (s + n) % 4;  // every (from, to) pair of stages once, s to s included
       CAPTURE(s, n, t, m);
       const std::string tag = std::to_string(s) + "-" + std::to_string(n);
       iot::with_stage(s, [&]<int S>() {
