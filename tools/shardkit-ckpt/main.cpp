@@ -27,6 +27,19 @@ namespace io = shardkit::io;
 
 namespace {
 
+//! Removes `path` (a partial output) unless disarmed: a failed export or reshard leaves nothing.
+struct remove_unless_done {
+  std::string path;
+  bool done = false;
+  ~remove_unless_done() {
+    if (done) return;
+    try {
+      io::remove_all(path);
+    } catch (...) {  // the failure that got here is the one to report
+    }
+  }
+};
+
 std::string shape_text(const std::vector<std::uint64_t>& s) {
   std::string t = "[";
   for (std::size_t k = 0; k < s.size(); ++k) t += (k ? ", " : "") + std::to_string(s[k]);
@@ -120,6 +133,7 @@ int export_file(const std::string& dir, const std::string& out, const std::strin
       names, shapes, type, {{"format", "pt"}, {"shardkit_step", std::to_string(m.step)}}, offsets,
       data_bytes);
   const std::string tmp = out + ".partial";
+  remove_unless_done cleanup{tmp};
   io::file f = io::file::create(tmp);
   f.resize(8 + header.size() + data_bytes);
   unsigned char size[8];
@@ -144,6 +158,7 @@ int export_file(const std::string& dir, const std::string& out, const std::strin
   f.sync();
   f.close();
   io::rename_path(tmp, out);
+  cleanup.done = true;
   io::sync_directory(io::parent_of(out));
   std::printf("wrote %s: %zu tensors, %llu bytes of %s\n", out.c_str(), names.size(),
               static_cast<unsigned long long>(data_bytes), type_name.c_str());
@@ -178,6 +193,7 @@ int reshard(const std::string& dir, const std::string& out, std::uint64_t world,
   m.ranges.clear();
   const std::string tmp = out + ".partial";
   io::remove_all(tmp);
+  remove_unless_done cleanup{tmp};
   io::make_directory(tmp);
   io::range_reader in(old, dir);
   constexpr std::size_t block = std::size_t{1} << 18;
@@ -211,6 +227,7 @@ int reshard(const std::string& dir, const std::string& out, std::uint64_t world,
   f.close();
   io::sync_directory(tmp);
   io::replace_directory(tmp, out);
+  cleanup.done = true;
   std::printf("wrote %s: %zu files for %llu ranks at stage %llu\n", out.c_str(), m.files.size(),
               static_cast<unsigned long long>(world), static_cast<unsigned long long>(stage));
   return 0;

@@ -73,7 +73,7 @@ class block_file_writer {
     if (in_block_ != 0) end_block();
     flush();
     std::vector<unsigned char> tail(table_.size() * 8 + block_file_footer_bytes);
-    std::memcpy(tail.data(), table_.data(), table_.size() * 8);
+    if (!table_.empty()) std::memcpy(tail.data(), table_.data(), table_.size() * 8);  // (no data)
     unsigned char* f = tail.data() + table_.size() * 8;
     std::memcpy(f, block_file_magic, 8);
     const std::uint64_t fields[4] = {block_bytes_, data_bytes_, table_.size(),
@@ -129,7 +129,9 @@ class block_file_reader {
     block_bytes_ = fields[0];
     data_bytes_ = fields[1];
     const std::uint64_t blocks = fields[2];
-    if (block_bytes_ == 0 || blocks != (data_bytes_ + block_bytes_ - 1) / block_bytes_ ||
+    // (the block count is computed so that data_bytes_ + block_bytes_ cannot wrap around)
+    if (block_bytes_ == 0 ||
+        blocks != data_bytes_ / block_bytes_ + (data_bytes_ % block_bytes_ != 0 ? 1 : 0) ||
         blocks > size / 8 || data_bytes_ + blocks * 8 + block_file_footer_bytes != size) {
       bad(shardkit::detail::concat("has an inconsistent footer (", data_bytes_, " data bytes in ",
                                    blocks, " blocks of ", block_bytes_, " for a file of ", size,

@@ -210,8 +210,26 @@ inline std::string to_json(const manifest& m) {
 inline manifest parse_manifest(std::string_view text, const std::string& path) {
   using detail::json;
   const detail::manifest_reader r{path};
-  json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  // Nesting deeper than a manifest's is refused while parsing (the parser itself is iterative):
+  // the checksum's dump() recurses once per level, and brackets nested 100000 deep would
+  // overflow the stack there.
+  constexpr int max_depth = 32;
+  bool too_deep = false;
+  json j = json::parse(
+      text.begin(), text.end(),
+      [&too_deep](int depth, json::parse_event_t, json&) {
+        if (depth > max_depth) too_deep = true;
+        return depth <= max_depth;
+      },
+      /*allow_exceptions=*/false);
   if (j.is_discarded()) r.bad("", "is not valid JSON (truncated or damaged?)");
+  if (too_deep) {
+    r.bad("", shardkit::detail::concat("nests values deeper than ", max_depth, " levels"));
+  }
+  // from_hex's errors name the field; these name the file too
+  auto hex = [&](std::string_view s, const std::string& where) {
+    return from_hex(s, shardkit::detail::concat("checkpoint manifest '", path, "': ", where));
+  };
   if (!j.is_object()) r.bad("", "is not a JSON object");
   if (r.str(j, "format", "the manifest") != manifest::format_name) {
     r.bad("", "is not a shardkit checkpoint manifest (field 'format')");
@@ -226,11 +244,11 @@ inline manifest parse_manifest(std::string_view text, const std::string& path) {
   const std::string sum = r.str(j, "checksum", "the manifest");
   j.erase("checksum");
   const std::string canonical = j.dump();
-  if (from_hex(sum, "checksum") != xxh64(canonical.data(), canonical.size())) {
+  if (hex(sum, "checksum") != xxh64(canonical.data(), canonical.size())) {
     r.bad("", "does not match its checksum (the file was modified or damaged)");
   }
   const json& model = r.field(j, "model", "the manifest");
-  m.fingerprint = from_hex(r.str(model, "fingerprint", "model"), "model.fingerprint");
+  m.fingerprint = hex(r.str(model, "fingerprint", "model"), "model.fingerprint");
   const json& params = r.array(model, "parameters", "model");
   for (std::size_t i = 0; i < params.size(); ++i) {
     const std::string w = shardkit::detail::concat("model.parameters[", i, "]");
@@ -297,7 +315,7 @@ inline manifest parse_manifest(std::string_view text, const std::string& path) {
     e.rank = r.u64(files[f], "rank", w);
     e.bytes = r.u64(files[f], "bytes", w);
     e.data_bytes = r.u64(files[f], "data_bytes", w);
-    e.xxh64 = from_hex(r.str(files[f], "xxh64", w), w + ".xxh64");
+    e.xxh64 = hex(r.str(files[f], "xxh64", w), w + ".xxh64");
     m.files.push_back(std::move(e));
   }
   const json& ranges = r.array(j, "ranges", "the manifest");
