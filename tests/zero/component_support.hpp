@@ -15,8 +15,10 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -335,6 +337,251 @@ inline std::uint64_t ar_bytes(std::uint64_t n, std::uint64_t N, std::uint64_t r,
 }
 inline std::uint64_t rs_or_ag_bytes(std::uint64_t count, std::uint64_t N, std::uint64_t e) {
   return N <= 1 ? 0 : (N - 1) * count * e;
+}
+
+// ---- ZeRO assembled by hand from the components -------------------------------------------------
+
+struct outcome {
+  std::string failure;
+  std::uint64_t working_hash = 0;  // bits of every working parameter, in model order
+  std::uint64_t master_hash = 0;   // bits of every fp32 master value (16-bit training)
+};
+inline auto fields(outcome& o) {
+  return std::tie(o.failure, o.working_hash, o.master_hash);
+}
+
+struct assemble_config {
+  int steps = 3;
+  int micro_batches = 1;
+  std::size_t alignment = 1;     // stages 1-3
+  std::size_t bucket = 0;        // stage 2: bucket elements (0: the units are the buckets)
+  std::size_t grad_buffers = 1;  // stages 2-3
+  shardkit::shard_params_options params{};  // stage 3
+  std::vector<bool> keep_after_forward;     // stage 3: units with reshard_after_forward = false
+};
+
+//! One rank of ZeRO stage `Stage` assembled from the components the way a user's own loop
+//! would (the engine composes the same parts; zero/engine.hpp):
+//!   stage 0: replicated_params + full_grads (all-reduce) + shard_optimizer over a 1-way layout;
+//!   stage 1: replicated_params + full_grads (reduce-scatter) + shard_optimizer, one group;
+//!   stage 2: replicated_params + shard_grads (buckets, or the units) + shard_optimizer;
+//!   stage 3: shard_params + shard_grads (the units) + shard_optimizer, driven by unit hooks.
+//! AdamW on adam_groups(); checks the parameters against the unsharded reference, the bytes
+//! held against the specification's table (g = sizeof(G) for gradients, w = sizeof(W)), the
+//! staging and gathered peaks, and the bytes each step sends.
+template <int Stage, class W, class G, class Comm>
+outcome assemble(Comm& c, const mcase& mc, const assemble_config& cfg) {
+  using namespace shardkit;
+  using params_t =
+      std::conditional_t<Stage == 3, shard_params<Comm, W>, replicated_params<Comm, W>>;
+  using grads_t = std::conditional_t<Stage >= 2, shard_grads<Comm, G>, full_grads<Comm, G>>;
+  using opt_t = shard_optimizer<host_space, adamw, W, G>;
+  outcome out;
+  checks check;
+  const int N = c.size(), r = c.rank(), K = cfg.micro_batches;
+  const auto n = static_cast<std::uint64_t>(N);
+  const std::size_t P = mc.sizes.size();
+  const std::uint64_t w = sizeof(W), g = sizeof(G), m = std::is_same_v<W, float> ? 0 : 4;
+
+  model_values mv(mc, cfg.keep_after_forward);
+  const param_registry reg(mv.spec);
+  std::vector<std::size_t> starts;  // the groups of the stage, from the specification
+  if constexpr (Stage == 2) {
+    starts = cfg.bucket != 0 ? bucket_starts(mc.sizes, cfg.bucket) : unit_starts(mc);
+  } else if constexpr (Stage == 3) {
+    starts = unit_starts(mc);
+  }
+  const std::uint64_t ranks = Stage == 0 ? 1 : n;
+  const spec_layout L = make_spec(mc.sizes, starts, ranks, Stage == 0 ? 1 : cfg.alignment);
+  const flat_layout layout =
+      Stage == 2 && cfg.bucket != 0
+          ? flat_layout::bucketed(mc.sizes, static_cast<std::size_t>(ranks), cfg.bucket,
+                                  cfg.alignment)
+          : flat_layout(mc.sizes, Stage >= 2 ? reg.unit_starts() : std::span<const std::size_t>{},
+                        static_cast<std::size_t>(ranks), Stage == 0 ? 1 : cfg.alignment);
+  check(layout.shard_numel() == L.S && layout.num_groups() == L.groups.size(), "the layout has ",
+        layout.num_groups(), " groups and S = ", layout.shard_numel(), "; the specification says ",
+        L.groups.size(), " and ", L.S);
+  const std::size_t shard = Stage == 0 ? 0 : static_cast<std::size_t>(r);
+
+  memory_ledger mem;
+  auto make_params = [&] {
+    if constexpr (Stage == 3)
+      return params_t(c, layout, shard, reg, cfg.params, &mem);
+    else
+      return params_t(c, layout, shard, reg, &mem);
+  };
+  auto make_grads = [&] {
+    if constexpr (Stage >= 2) {
+      shard_grads_options o;
+      o.grad_buffers = cfg.grad_buffers;
+      o.groups_are_units = Stage == 3;
+      return grads_t(c, layout, shard, reg, o, &mem);
+    } else {
+      return grads_t(
+          c, layout, shard,
+          Stage == 0 ? full_grads_reduction::all_reduce : full_grads_reduction::reduce_scatter, reg,
+          &mem);
+    }
+  };
+  params_t params = make_params();
+  grads_t grads = make_grads();
+  opt_t opt(layout, shard, reg.param_groups(), param_groups<adam_options>(adam_groups()), &mem);
+  for (std::size_t i = 0; i < P; ++i) {
+    params.load(i, mv.init[i].data(), dtype::f32);
+    opt.load(i, mv.init[i]);
+  }
+  params.start();
+
+  // Units from the specification (stage 3): persistent, kept from forward to backward.
+  const std::size_t U = reg.num_units();
+  std::vector<bool> persistent(U, false), kept(U, false);
+  std::uint64_t largest = 0, fixed = 0, persistent_elems = 0, transient = 0;
+  for (std::size_t u = 0; u < U && Stage == 3; ++u) {
+    const auto& gu = L.groups[u];
+    persistent[u] = gu.psi < cfg.params.persist_below;
+    kept[u] = !persistent[u] && u < cfg.keep_after_forward.size() && cfg.keep_after_forward[u];
+    if (persistent[u]) {
+      persistent_elems += n * gu.shard;
+      fixed += n * gu.shard;
+    } else {
+      ++transient;
+      largest = std::max(largest, n * gu.shard);
+      if (kept[u]) fixed += n * gu.shard;
+    }
+  }
+
+  auto reference = reference_for(mc, true);
+  const float scale = 1.0f / static_cast<float>(N);
+  for (int t = 1; t <= cfg.steps; ++t) {
+    c.barrier();
+    const traffic_ledger before = c.traffic();
+    for (int mb = 0; mb < K; ++mb) {
+      for (std::size_t u = 0; u < U; ++u) {
+        params.pre_forward(u);
+        for (std::size_t i = reg.unit_begin(u); i < reg.unit_end(u); ++i) {
+          check(params.view(i).size() == mc.sizes[i], "view(", i, ") has the wrong size");
+        }
+        params.post_forward(u);
+      }
+      for (std::size_t u = U; u-- > 0;) {
+        params.pre_backward(u);
+        if constexpr (Stage == 3) grads.begin_group(u);
+        for (std::size_t i = reg.unit_end(u); i-- > reg.unit_begin(u);) {
+          grads.add(i, grad_of(mc, i, static_cast<std::uint64_t>(t), r, mb));
+        }
+        if constexpr (Stage == 3) {
+          params.post_backward(u, [&] { grads.end_group(u); });
+        } else {
+          params.post_backward(u);
+        }
+      }
+    }
+    if constexpr (Stage >= 2)
+      grads.finish();
+    else
+      grads.reduce();
+    params.check_idle();
+    opt.step(grads.gradients(), params.working(), scale);
+    params.after_step(true);
+    grads.reset();
+    c.barrier();  // every asynchronous collective of the step has completed
+    const std::uint64_t sent = c.traffic().since(before).total_bytes_sent();
+
+    // Bytes sent (docs/accounting.md): gradients at g bytes, working parameters at w bytes.
+    std::uint64_t want = 0;
+    if (Stage == 0) {
+      want = L.psi != 0 ? ar_bytes(L.psi, n, static_cast<std::uint64_t>(r), g) : 0;
+    } else {
+      for (std::size_t q = 0; q < L.groups.size(); ++q) {
+        const std::uint64_t s = L.groups[q].shard;
+        const std::uint64_t rounds = Stage == 1 ? 1 : static_cast<std::uint64_t>(K);
+        if (Stage <= 2) {
+          want += rounds * rs_or_ag_bytes(s, n, g) + rs_or_ag_bytes(s, n, w);
+        } else {
+          const std::uint64_t gathers = persistent[q] ? 1 : (kept[q] ? 1 : 2) * K;
+          want += K * rs_or_ag_bytes(s, n, g) + gathers * rs_or_ag_bytes(s, n, w);
+        }
+      }
+    }
+    check(sent == want, "step ", t, " sent ", sent, " bytes; the specification says ", want);
+    std::vector<double> mean = reduced<G>(mc, static_cast<std::uint64_t>(t), 0, N, K, Stage <= 1);
+    for (auto& x : mean) x /= N;
+    reference.step(mean);
+  }
+
+  // Parameters: every rank's working copy against the fp32 master and the reference.
+  std::vector<float> master(L.S * ranks);
+  if constexpr (opt_t::has_master) {
+    if (Stage == 0) {
+      std::copy(opt.master().begin(), opt.master().end(), master.begin());
+    } else {
+      c.all_gather(opt.master().data(), master.data(), L.S);
+    }
+  }
+  for (std::size_t u = 0; u < U; ++u) {
+    params.pre_forward(u);
+    for (std::size_t i = reg.unit_begin(u); i < reg.unit_end(u); ++i) {
+      const auto v = params.view(i);
+      for (std::size_t k = 0; k < mc.sizes[i]; ++k) {
+        const float value = opt_t::has_master ? master[L.owner(i, k) * L.S + L.shard_offset(i, k)]
+                                              : static_cast<float>(v[k]);
+        const double want = reference.p[L.flat_offset[i] + k];
+        check(std::fabs(value - want) <= 1e-6, "p", i, "[", k, "] = ", value,
+              ", the reference says ", want);
+        check(bits_of(v[k]) == bits_of(from_float<W>(value)), "working p", i, "[", k,
+              "] is not the rounded master");
+        out.working_hash = mix(out.working_hash, bits_of(v[k]));
+        out.master_hash = mix(out.master_hash, std::bit_cast<std::uint32_t>(value));
+      }
+    }
+    params.post_forward(u);
+  }
+  params.after_step(false);
+
+  // Bytes held (the specification's table, with g bytes per gradient element).
+  const std::uint64_t S = L.S, psi = L.psi;
+  const std::uint64_t want_w = Stage == 0 ? w * psi : Stage == 3 ? w * S : w * n * S;
+  const std::uint64_t want_g = Stage == 0 ? g * psi : Stage == 1 ? g * n * S : g * S;
+  const std::uint64_t want_m = Stage == 0 ? m * psi : m * S;
+  const std::uint64_t want_k = Stage == 0 ? 8 * psi : 8 * S;
+  using mc_t = memory_category;
+  check(mem.current(mc_t::working_params) == want_w && mem.current(mc_t::grads) == want_g &&
+            mem.current(mc_t::master_params) == want_m &&
+            mem.current(mc_t::optimizer_moments) == want_k,
+        "the ledger holds (", mem.current(mc_t::working_params), ", ", mem.current(mc_t::grads),
+        ", ", mem.current(mc_t::master_params), ", ", mem.current(mc_t::optimizer_moments),
+        ") bytes; the specification says (", want_w, ", ", want_g, ", ", want_m, ", ", want_k, ")");
+  if (Stage >= 2) {
+    const std::uint64_t B = cfg.grad_buffers, smax = L.max_shard();
+    const std::uint64_t later = static_cast<std::uint64_t>(K - 1) * L.nonempty_groups();
+    check(mem.peak(mc_t::grad_buckets) == B * g * n * smax, "staging peaked at ",
+          mem.peak(mc_t::grad_buckets), " bytes; B·g·N·max S_g = ", B * g * n * smax);
+    check(mem.peak(mc_t::comm_scratch) == std::min(B, later) * g * smax, "scratch peaked at ",
+          mem.peak(mc_t::comm_scratch),
+          " bytes; min(B, (K-1)·U)·g·max S_g = ", std::min(B, later) * g * smax);
+    check(mem.peak(mc_t::grads) == want_g, "gradient storage peaked above the shard");
+  }
+  if (Stage == 3) {
+    // At most min(1 + D, U_t) transient units gathered at once, plus the persistent and kept
+    // ones; at least the largest unit was gathered at some point.
+    std::uint64_t bound =
+        (std::min<std::uint64_t>(1 + cfg.params.prefetch, transient) * largest + fixed) * w;
+    if (cfg.params.max_live_elems != 0) {
+      bound = std::min<std::uint64_t>(bound, cfg.params.max_live_elems * w);
+    }
+    const std::uint64_t peak = mem.peak(mc_t::gathered_params);
+    check(peak <= bound, "gathered parameters peaked at ", peak, " bytes, above the bound ", bound);
+    check(peak >= std::max(largest, fixed) * w, "gathered parameters peaked at ", peak,
+          " bytes, less than a unit: the ledger missed a gather");
+    check(mem.current(mc_t::gathered_params) == persistent_elems * w, "after the step ",
+          mem.current(mc_t::gathered_params), " gathered bytes are held; the persistent units' ",
+          persistent_elems * w, " should be");
+  } else {
+    check(mem.peak(mc_t::gathered_params) == 0, "stage ", Stage, " gathered parameters");
+  }
+  out.failure = check.failure;
+  return out;
 }
 
 }  // namespace test::comp
