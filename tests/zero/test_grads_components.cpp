@@ -304,14 +304,11 @@ TEMPLATE_TEST_CASE("shard_grads alone: buckets reduced as they fill, micro-batch
   }
 }
 
-// Known defect (reported, not fixed here): finish() completes the staging buffers in slot order,
-// not in the order their reduce-scatters were issued. With two staging buffers and one bucket,
-// micro-batch 2 reuses the first buffer while micro-batch 1 is still in the second, so the shard
-// adds them as s0 + s2 + s1: with 16-bit gradients the result then depends on grad_buffers (one
-// buffer gives s0 + s1 + s2, the order docs/accounting.md states). [!shouldfail] keeps the suite
-// green while the defect exists; remove the tag once it is fixed.
+// With two staging buffers and one bucket, micro-batch 2 reuses the first buffer while
+// micro-batch 1 is still in the second; the shard must still add them as s0 + s1 + s2 (issue
+// order), so that 16-bit results do not depend on grad_buffers.
 TEMPLATE_TEST_CASE("shard_grads adds a bucket's micro-batches to a bf16 shard in micro-batch order",
-                   "[components][shard_grads][!shouldfail]", SHARDKIT_TEST_WORLDS) {
+                   "[components][shard_grads]", SHARDKIT_TEST_WORLDS) {
   using World = TestType;
   using Comm = typename World::comm_type;
   if (!test::fits<World>(2)) return;
@@ -463,13 +460,10 @@ TEMPLATE_TEST_CASE("the gradient components refuse misuse on every rank",
   }
 }
 
-// Known defect (reported, not fixed here): in all-reduce mode full_grads reduces the first Ψ
-// elements of its buffer, which is the whole gradient only when the layout has no padding. A
-// 1-way layout of several groups with an alignment (or any padded layout) leaves the end of the
-// later groups unreduced, and nothing rejects such a layout. [!shouldfail] keeps the suite green
-// while the defect exists; remove the tag once it is fixed.
+// A 1-way layout of several groups with an alignment is padded: the all-reduce must cover the
+// later groups' elements too (past Ψ in the buffer).
 TEST_CASE("full_grads all-reduce sums every element of a padded 1-way layout",
-          "[components][full_grads][!shouldfail]") {
+          "[components][full_grads]") {
   const auto last = run_ranks(2, [](thread_comm& c) {
     model_spec m;
     m.add("a", 5);
@@ -529,7 +523,7 @@ TEMPLATE_TEST_CASE("ZeRO-0, 1 and 2 assembled from the gradient components match
     const auto b2 = run([&](Comm& c) { return assemble<2, bf16, bf16>(c, mc, cfg); });
     CHECK(b2.working_hash == b0.working_hash);  // one micro-batch: the same roundings
     cfg.micro_batches = 3;
-    cfg.grad_buffers = 2;  // 16-bit gradients only with one (see the [!shouldfail] case above)
+    cfg.grad_buffers = 2;
     const auto f0 = run([&](Comm& c) { return assemble<0, float, float>(c, mc, cfg); });
     const auto f1 = run([&](Comm& c) { return assemble<1, float, float>(c, mc, cfg); });
     const auto f2 = run([&](Comm& c) { return assemble<2, float, float>(c, mc, cfg); });

@@ -309,13 +309,10 @@ TEMPLATE_TEST_CASE("shard_optimizer refuses wrong buffers and settings on every 
   }
 }
 
-// Known defect (reported, not fixed here): bind() reuses the step plan of the previous call when
-// the data pointers and coordinates are unchanged, without looking at the sizes, so a buffer of
-// the wrong size that starts where the previous one did is stepped as if it were whole. The tag
-// [!shouldfail] keeps the suite green while the defect exists and turns this test red once it is
-// fixed (then remove the tag).
+// A buffer of the wrong size that starts where the previous one did is refused, not stepped as
+// if it were whole (step() reuses its plan only for the same buffers).
 TEST_CASE("shard_optimizer::step checks the buffer sizes on every call, not only the first",
-          "[components][shard_optimizer][errors][!shouldfail]") {
+          "[components][shard_optimizer][errors]") {
   const std::vector<std::size_t> sizes{5, 3};
   const flat_layout layout(sizes, {}, 2);  // S = 4, N·S = 8
   const std::vector<std::size_t> pg{0, 0};
