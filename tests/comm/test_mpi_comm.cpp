@@ -327,3 +327,58 @@ TEST_CASE("MPI error codes become comm_error naming the collective, the rank and
                       "of 4: MPI_Ialltoall returned MPI_ERR_COUNT"));
   REQUIRE_NOTHROW(detail::mpi_check(MPI_SUCCESS, "MPI_Ibarrier", "barrier", 0, 1));
 }
+
+TEST_CASE("by default, ranks that issue different collectives get collective_mismatch at once",
+          "[mpi][errors]") {
+  if (!test::fits<mpi_world>(3)) return;
+  const int variant = GENERATE(0, 1, 2);
+  CAPTURE(variant);
+  auto m = mpi_world::run(3, [variant](mpi_comm& c) {
+    auto opts = c.options();
+    REQUIRE(opts.detect_divergence);  // the default
+    REQUIRE_FALSE(opts.check_matching);
+    opts.timeout = std::chrono::seconds(60);
+    auto comm = mpi_comm::duplicate(c.native(), opts);
+    std::vector<float> x(8, 1.0f), y(24, 0.0f);
+    std::vector<std::string> msgs;
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      if (variant == 0) {  // the same bytes, another collective: would hang without the check
+        if (comm.rank() == 1) {
+          comm.all_reduce(x.data(), x.data(), 8);
+        } else {
+          comm.all_reduce(x.data(), x.data(), 8, reduce_op::max);
+        }
+      } else if (variant == 1) {  // asynchronous: issuing does not wait; wait() reports it
+        auto w = comm.rank() == 2 ? comm.all_gather_async(x.data(), y.data(), 8)
+                                  : comm.all_reduce_async(x.data(), x.data(), 8);
+        w.wait();
+      } else {  // another count
+        comm.all_reduce(x.data(), x.data(), comm.rank() == 0 ? 4 : 8);
+      }
+      msgs.push_back("no error");
+    } catch (const collective_mismatch& e) {
+      msgs.push_back(e.what());
+    }
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    msgs.push_back(s < 30.0 ? "prompt" : "took " + std::to_string(s) + " s");
+    try {  // the mismatched collective was started: the communicator is unusable now
+      float one = 1.0f;
+      comm.all_reduce(&one, &one, 1);
+      msgs.push_back("usable");
+    } catch (const comm_aborted&) {
+      msgs.push_back("aborted");
+    }
+    return msgs;
+  });
+  for (const auto& msgs : m) {
+    REQUIRE(msgs.size() == 3);
+    REQUIRE_THAT(msgs[0], Catch::Contains("collective mismatch at call #1"));
+    if (variant == 0) REQUIRE_THAT(msgs[0], Catch::Contains("max") && Catch::Contains("sum"));
+    if (variant == 1) REQUIRE_THAT(msgs[0], Catch::Contains("all_gather"));
+    if (variant == 2) REQUIRE_THAT(msgs[0], Catch::Contains("count 4"));
+    REQUIRE(msgs[1] == "prompt");
+    REQUIRE(msgs[2] == "aborted");
+  }
+}

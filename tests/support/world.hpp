@@ -11,6 +11,7 @@
 #pragma once
 
 #include <shardkit/comm/thread.hpp>
+#include <shardkit/core/checked.hpp>
 
 #if defined(SHARDKIT_TEST_MPI)
 #include <shardkit/comm/mpi.hpp>
@@ -171,6 +172,39 @@ bool fits(int n) {
   WARN(World::name << " world has " << World::max_ranks() << " ranks; skipping the case with " << n
                    << " ranks");
   return false;
+}
+
+//! Runs fn(comm) on n ranks of World; returns each rank's error as "<type>: <message>" (type one
+//! of size_overflow, invalid_argument, usage_error, comm_timeout, comm_aborted,
+//! collective_mismatch, comm_error, error, std) or "" when it raised none, so a test checks
+//! that every rank raised the expected error, over every communicator.
+template <class World, class F>
+std::vector<std::string> typed_errors_on(int n, F fn) {
+  using Comm = typename World::comm_type;
+  return World::run(n, [&](Comm& c) -> std::string {
+    try {
+      fn(c);
+    } catch (const shardkit::size_overflow& e) {
+      return std::string("size_overflow: ") + e.what();
+    } catch (const shardkit::invalid_argument& e) {
+      return std::string("invalid_argument: ") + e.what();
+    } catch (const shardkit::usage_error& e) {
+      return std::string("usage_error: ") + e.what();
+    } catch (const shardkit::comm_timeout& e) {
+      return std::string("comm_timeout: ") + e.what();
+    } catch (const shardkit::comm_aborted& e) {
+      return std::string("comm_aborted: ") + e.what();
+    } catch (const shardkit::collective_mismatch& e) {
+      return std::string("collective_mismatch: ") + e.what();
+    } catch (const shardkit::comm_error& e) {
+      return std::string("comm_error: ") + e.what();
+    } catch (const shardkit::error& e) {
+      return std::string("error: ") + e.what();
+    } catch (const std::exception& e) {
+      return std::string("std: ") + e.what();
+    }
+    return {};
+  });
 }
 
 //! Asserts that every rank reported no failure.

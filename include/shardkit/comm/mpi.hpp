@@ -54,8 +54,9 @@
 //!  - A rank that dies (crash, kill, exit without MPI_Finalize) is detected by the launcher
 //!    (mpirun/mpiexec), which ends the job.
 //!  - A collective that waits longer than `mpi_comm_options::timeout` (a rank stalls, or issued
-//!    fewer collectives) throws comm_timeout; with `check_matching`, ranks that issue different
-//!    collectives get collective_mismatch on every rank instead of a hang or a wrong answer.
+//!    fewer collectives) throws comm_timeout (after 2 minutes by default); ranks that issue
+//!    different collectives get collective_mismatch on every rank instead of a hang or a wrong
+//!    answer (`detect_divergence`, on by default; `check_matching` checks before starting).
 //!    After comm_timeout the communicator is unusable (its later collectives throw comm_aborted)
 //!    because the MPI operation cannot be withdrawn: end the job — mpi_main does it when the
 //!    exception leaves your function. The abandoned operation's scratch memory and MPI

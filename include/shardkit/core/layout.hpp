@@ -19,6 +19,7 @@
 #pragma once
 
 #include <shardkit/config.hpp>
+#include <shardkit/core/checked.hpp>
 #include <shardkit/core/error.hpp>
 
 #include <algorithm>
@@ -102,17 +103,17 @@ class flat_layout {
       e.end_param = g + 1 < starts.size() ? starts[g + 1] : numels.size();
       std::size_t n = 0;
       for (std::size_t i = e.first_param; i < e.end_param; ++i) {
-        params_[i] = param_entry{numels[i], g, full + n, n};
-        n += numels[i];
+        params_[i] = param_entry{numels[i], g, checked_add(full, n, "flat_layout: offset"), n};
+        n = checked_add(n, numels[i], "flat_layout: elements of a group");
       }
       e.numel = n;
-      e.shard = round_up((n + ranks - 1) / ranks, alignment);
+      e.shard = checked_round_up(ceil_div(n, ranks), alignment, "flat_layout: aligned shard");
       e.offset = full;
       e.shard_offset = shard_total;
-      e.padded = e.shard * ranks;
-      full += e.padded;
-      shard_total += e.shard;
-      numel_ += n;
+      e.padded = checked_mul(e.shard, ranks, "flat_layout: padded group (shard * ranks)");
+      full = checked_add(full, e.padded, "flat_layout: padded elements");
+      shard_total = checked_add(shard_total, e.shard, "flat_layout: shard elements");
+      numel_ = checked_add(numel_, n, "flat_layout: elements");
       groups_.push_back(e);
     }
     padded_ = full;
@@ -219,9 +220,6 @@ class flat_layout {
   }
 
  private:
-  static constexpr std::size_t round_up(std::size_t v, std::size_t a) noexcept {
-    return (v + a - 1) / a * a;
-  }
   void check_param(std::size_t i) const {
     if (i >= params_.size()) {
       core_detail::raise("flat_layout: parameter ", i, " out of range (", params_.size(),

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <shardkit/config.hpp>
+#include <shardkit/core/checked.hpp>
 #include <shardkit/core/error.hpp>
 
 #include <algorithm>
@@ -59,11 +60,11 @@ inline std::ostream& operator<<(std::ostream& os, memory_category c) {
 //! Bytes held per category, now and at the peak. One per engine (per rank); not thread-safe.
 class memory_ledger {
  public:
-  void add(memory_category c, std::size_t bytes) noexcept {
+  void add(memory_category c, std::size_t bytes) {
     auto& e = entries_[index(c)];
-    e.current += bytes;
+    e.current = checked_add(e.current, bytes, "memory_ledger: bytes held");
     e.peak = std::max(e.peak, e.current);
-    total_ += bytes;
+    total_ = checked_add(total_, bytes, "memory_ledger: total bytes held");
     total_peak_ = std::max(total_peak_, total_);
   }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <shardkit/config.hpp>
+#include <shardkit/core/checked.hpp>
 #include <shardkit/core/error.hpp>
 #include <shardkit/core/ledger.hpp>
 
@@ -72,7 +73,7 @@ class buffer {
   //! Allocates `n` zeroed elements and records them in `ledger` (may be null) as `category`.
   buffer(std::size_t n, memory_ledger* ledger, memory_category category)
       : size_(n), ledger_(ledger), category_(category) {
-    const std::size_t bytes = n * sizeof(T);
+    const std::size_t bytes = checked_mul(n, sizeof(T), "buffer: bytes (elements * element size)");
     try {
       data_ = static_cast<T*>(space_allocator<Space>::allocate(bytes));
     } catch (const std::bad_alloc&) {
@@ -80,7 +81,14 @@ class buffer {
                                 Space::name, " memory failed");
     }
     space_allocator<Space>::zero(data_, bytes);
-    if (ledger_ != nullptr) ledger_->add(category_, bytes);
+    if (ledger_ != nullptr) {
+      try {
+        ledger_->add(category_, bytes);
+      } catch (...) {
+        space_allocator<Space>::deallocate(data_, bytes);
+        throw;
+      }
+    }
   }
 
   buffer(const buffer&) = delete;

@@ -37,6 +37,20 @@ SHARDKIT_HOST_DEVICE SHARDKIT_FORCEINLINE V element_sqrt(V x) {
 }
 }  // namespace detail
 
+namespace detail {
+//! Weight decay must be finite, non-negative and lr·wd < 1.
+inline void validate_weight_decay(const char* who, float lr, float wd) {
+  if (!std::isfinite(wd) || wd < 0.0f) {
+    raise(who, " weight_decay must be finite and non-negative, got ", wd);
+  }
+  if (static_cast<double>(lr) * static_cast<double>(wd) >= 1.0) {
+    raise(who, " weight_decay ", wd, " with learning rate ", lr,
+          " decays by lr * weight_decay = ", static_cast<double>(lr) * static_cast<double>(wd),
+          " per step; it must be below 1 (each step would flip or blow up every parameter)");
+  }
+}
+}  // namespace detail
+
 //! Hyper-parameters of Adam and AdamW.
 struct adam_options {
   float lr = 1e-3f;           //!< learning rate
@@ -98,12 +112,17 @@ struct adam_family {
              {"weight_decay", o.weight_decay}}};
   }
 
-  //! Raises invalid_argument unless 0 <= beta1, beta2 < 1 and eps > 0.
+  //! Raises invalid_argument unless 0 <= beta1, beta2 < 1, eps is finite and positive, and the
+  //! weight decay is finite, non-negative and small enough that one step's decay lr·wd is
+  //! below 1 (a larger one flips the sign of every parameter, or overflows it).
   static void validate(const options& o) {
     if (!(o.beta1 >= 0.0f && o.beta1 < 1.0f) || !(o.beta2 >= 0.0f && o.beta2 < 1.0f)) {
       detail::raise("Adam betas must lie in [0, 1), got beta1 = ", o.beta1, ", beta2 = ", o.beta2);
     }
-    if (!(o.eps > 0.0f)) detail::raise("Adam eps must be positive, got ", o.eps);
+    if (!(o.eps > 0.0f) || !std::isfinite(o.eps)) {
+      detail::raise("Adam eps must be positive and finite, got ", o.eps);
+    }
+    detail::validate_weight_decay("Adam", o.lr, o.weight_decay);
   }
 
   template <class V>
@@ -153,6 +172,15 @@ struct sgd_momentum {
   //! The hyper-parameters by name.
   static std::array<std::pair<const char*, double>, 3> describe(const options& o) {
     return {{{"lr", o.lr}, {"momentum", o.momentum}, {"weight_decay", o.weight_decay}}};
+  }
+
+  //! Raises invalid_argument unless 0 <= momentum < 1 and the weight decay is finite,
+  //! non-negative and lr·wd < 1.
+  static void validate(const options& o) {
+    if (!(o.momentum >= 0.0f && o.momentum < 1.0f)) {
+      detail::raise("SGD momentum must lie in [0, 1), got ", o.momentum);
+    }
+    detail::validate_weight_decay("SGD", o.lr, o.weight_decay);
   }
 
   template <class V>

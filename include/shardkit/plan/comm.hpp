@@ -46,7 +46,7 @@ using accounting::comm_group;
 using accounting::name;
 
 //! The step shape of setup `s` for a layout summarised as `l` (zero/accounting.hpp).
-constexpr accounting::step_shape step_shape_of(const setup& s, const layout_summary& l) noexcept {
+constexpr accounting::step_shape step_shape_of(const setup& s, const layout_summary& l) {
   accounting::step_shape sh;
   sh.stage = s.stage;
   sh.ranks = s.ranks;
@@ -122,7 +122,7 @@ struct comm_bytes {
 //! rank < s.ranks). Ranks differ only in all-reduces whose length their group size does not
 //! divide.
 constexpr comm_bytes bytes_sent_per_step(const setup& s, std::span<const unit> units,
-                                         std::uint64_t rank = 0) noexcept {
+                                         std::uint64_t rank = 0) {
   comm_bytes b;
   for_each_collective(s, units, [&](const collective_call& c) {
     const std::uint64_t p = group_size(s, c.group);
@@ -148,7 +148,7 @@ constexpr comm_bytes bytes_sent_per_step(const setup& s, std::span<const unit> u
 
 //! As above, for a model of `psi` elements in one unit.
 constexpr comm_bytes bytes_sent_per_step(const setup& s, std::uint64_t psi,
-                                         std::uint64_t rank = 0) noexcept {
+                                         std::uint64_t rank = 0) {
   const unit one[1] = {unit{psi}};
   return bytes_sent_per_step(s, std::span<const unit>(one), rank);
 }

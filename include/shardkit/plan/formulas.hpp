@@ -37,7 +37,7 @@ using accounting::state_bytes;
 //! step, no hybrid sharding): Ψ elements, N ranks, shard S, e bytes per element on the wire.
 constexpr std::uint64_t step_bytes_sent(int stage, std::uint64_t psi, std::uint64_t ranks,
                                         std::uint64_t shard, std::uint64_t elem_bytes,
-                                        std::uint64_t rank = 0) noexcept {
+                                        std::uint64_t rank = 0) {
   accounting::step_shape s;
   s.stage = stage;
   s.ranks = ranks;

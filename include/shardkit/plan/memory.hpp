@@ -54,13 +54,17 @@ struct memory_bytes {
     return {working_params, grads, master_params, optimizer_moments};
   }
   //! Transient buffers of the library (gathered units, staging buckets, scratch).
-  constexpr std::uint64_t transient() const noexcept {
-    return gathered_params + grad_buckets + comm_scratch;
+  constexpr std::uint64_t transient() const {
+    constexpr const char* what = "plan: transient bytes";
+    return checked_add<std::uint64_t>(checked_add(gathered_params, grad_buckets, what),
+                                      comm_scratch, what);
   }
   //! The peak per rank: every category at its peak at once. Exact for stages 0-2 (their
   //! buffers are allocated once and kept); an upper bound for stage 3.
-  constexpr std::uint64_t total() const noexcept {
-    return model_state().total() + transient() + activations;
+  constexpr std::uint64_t total() const {
+    constexpr const char* what = "plan: bytes per rank";
+    return checked_add<std::uint64_t>(checked_add(model_state().total(), transient(), what),
+                                      activations, what);
   }
   friend constexpr bool operator==(const memory_bytes&, const memory_bytes&) = default;
 };
@@ -75,15 +79,17 @@ struct memory_bytes {
 //! gathered all step; "kept" = non-persistent units with reshard_after_forward = false, which
 //! stay gathered from their forward to their backward. A live limit (max_live_elems) caps it:
 //! the engine prefetches less rather than exceed the limit. 0 for stages 0-2.
-constexpr std::uint64_t live_elems(const setup& s, const layout_summary& l) noexcept {
+constexpr std::uint64_t live_elems(const setup& s, const layout_summary& l) {
   if (s.stage != 3) return 0;
-  return accounting::live_elems_bound(
-      s.prefetch, l.transient_units, l.ranks * l.largest_transient_shard,
-      l.ranks * l.persistent_shard, l.ranks * l.kept_shard, s.max_live_elems);
+  constexpr const char* what = "plan: ZeRO-3 live elements";
+  return accounting::live_elems_bound(s.prefetch, l.transient_units,
+                                      checked_mul(l.ranks, l.largest_transient_shard, what),
+                                      checked_mul(l.ranks, l.persistent_shard, what),
+                                      checked_mul(l.ranks, l.kept_shard, what), s.max_live_elems);
 }
 
 //! As above, for a model.
-constexpr std::uint64_t live_elems(const setup& s, std::span<const unit> units) noexcept {
+constexpr std::uint64_t live_elems(const setup& s, std::span<const unit> units) {
   return live_elems(s, summarize(s, units));
 }
 
@@ -91,14 +97,21 @@ constexpr std::uint64_t live_elems(const setup& s, std::span<const unit> units) 
 //! next to the persistent and kept ones (always true without a limit and for stages 0-2). The
 //! engine refuses a set-up whose largest unit and persistent units do not fit the limit, and a
 //! gather that would exceed it while kept units are held.
-constexpr bool live_limit_ok(const setup& s, const layout_summary& l) noexcept {
+constexpr bool live_limit_ok(const setup& s, const layout_summary& l) {
   if (s.stage != 3 || s.max_live_elems == 0) return true;
-  return l.ranks * (l.largest_transient_shard + l.persistent_shard + l.kept_shard) <=
-         s.max_live_elems;
+  constexpr const char* what = "plan: ZeRO-3 live elements";
+  const std::uint64_t held = checked_add<std::uint64_t>(
+      checked_add(l.largest_transient_shard, l.persistent_shard, what), l.kept_shard, what);
+  return checked_mul(l.ranks, held, what) <= s.max_live_elems;
 }
 
 //! Bytes one rank holds for the layout `l` of setup `s` (see the file comment).
-constexpr memory_bytes memory_per_rank(const setup& s, const layout_summary& l) noexcept {
+//! Raises size_overflow when a byte count does not fit in 64 bits.
+constexpr memory_bytes memory_per_rank(const setup& s, const layout_summary& l) {
+  constexpr const char* what = "plan: bytes per rank";
+  const auto mul = [](std::uint64_t a, std::uint64_t b) {
+    return checked_mul<std::uint64_t>(a, b, what);
+  };
   const precision& p = s.bytes;
   const std::uint64_t S = l.shard;
   const state_bytes model = model_state_bytes(s.stage, l.psi, l.ranks, S, p);
@@ -109,23 +122,24 @@ constexpr memory_bytes memory_per_rank(const setup& s, const layout_summary& l) 
   m.master_params = model.master_params;
   m.optimizer_moments = model.optimizer_moments;
   if (s.stage <= 1) return m;
-  if (s.stage == 3) m.gathered_params = p.working_bytes * live_elems(s, l);
+  if (s.stage == 3) m.gathered_params = mul(p.working_bytes, live_elems(s, l));
   // Stages 2 and 3: staging buckets and micro-batch scratch.
-  m.grad_buckets = s.grad_buffers * p.grad_bytes * l.ranks * l.largest_shard;
+  m.grad_buckets = mul(mul(s.grad_buffers, p.grad_bytes), mul(l.ranks, l.largest_shard));
   if (s.micro_batches > 1) {
-    const std::uint64_t later_rounds = (s.micro_batches - 1) * l.nonempty_groups;
-    m.comm_scratch = std::min(s.grad_buffers, later_rounds) * p.grad_bytes * l.largest_shard;
+    const std::uint64_t later_rounds = mul(s.micro_batches - 1, l.nonempty_groups);
+    m.comm_scratch =
+        mul(mul(std::min(s.grad_buffers, later_rounds), p.grad_bytes), l.largest_shard);
   }
   return m;
 }
 
 //! Bytes one rank holds for `units` under setup `s` (preconditions: invalid_reason(s) == nullptr).
-constexpr memory_bytes memory_per_rank(const setup& s, std::span<const unit> units) noexcept {
+constexpr memory_bytes memory_per_rank(const setup& s, std::span<const unit> units) {
   return memory_per_rank(s, summarize(s, units));
 }
 
 //! Bytes one rank holds for a model of `psi` elements in one unit.
-constexpr memory_bytes memory_per_rank(const setup& s, std::uint64_t psi) noexcept {
+constexpr memory_bytes memory_per_rank(const setup& s, std::uint64_t psi) {
   const unit one[1] = {unit{psi}};
   return memory_per_rank(s, std::span<const unit>(one));
 }

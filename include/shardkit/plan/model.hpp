@@ -168,23 +168,29 @@ struct layout_summary {
   std::uint64_t kept_shard = 0;  //!< Σ S_u over non-persistent units without resharding
 
   //! Elements of the full (padded) buffer: G·S.
-  constexpr std::uint64_t padded() const noexcept { return ranks * shard; }
+  constexpr std::uint64_t padded() const {
+    return checked_mul<std::uint64_t>(ranks, shard, "plan: padded elements G * S");
+  }
   //! Padding elements: G·S − Ψ.
-  constexpr std::uint64_t padding() const noexcept { return padded() - psi; }
+  constexpr std::uint64_t padding() const { return padded() - psi; }
 };
 
 //! S_g = round_up(ceil(Ψ_g / G), alignment) for one group (G ≥ 1, alignment ≥ 1).
-constexpr std::uint64_t group_shard(std::uint64_t psi_g, std::uint64_t g,
-                                    std::uint64_t alignment) noexcept {
+constexpr std::uint64_t group_shard(std::uint64_t psi_g, std::uint64_t g, std::uint64_t alignment) {
   return shard_elems(psi_g, g, alignment);
 }
 
 //! The layout stage `s.stage` builds for `units` (preconditions: invalid_reason(s) == nullptr).
-constexpr layout_summary summarize(const setup& s, std::span<const unit> units) noexcept {
+//! Raises size_overflow when a size does not fit in 64 bits.
+constexpr layout_summary summarize(const setup& s, std::span<const unit> units) {
+  constexpr const char* what = "plan: layout";
+  const auto add = [](std::uint64_t a, std::uint64_t b) {
+    return checked_add<std::uint64_t>(a, b, what);
+  };
   layout_summary l;
   l.ranks = s.shard_group();
   std::uint64_t psi = 0;
-  for (const auto& u : units) psi += u.numel;
+  for (const auto& u : units) psi = add(psi, u.numel);
   l.psi = psi;
   if (s.stage <= 1) {  // one group for the whole model
     l.groups = 1;
@@ -197,15 +203,15 @@ constexpr layout_summary summarize(const setup& s, std::span<const unit> units) 
     const std::uint64_t su = group_shard(u.numel, l.ranks, s.alignment);
     ++l.groups;
     if (u.numel != 0) ++l.nonempty_groups;
-    l.shard += su;
+    l.shard = add(l.shard, su);
     l.largest_shard = std::max(l.largest_shard, su);
     if (u.numel < s.persist_below) {
       ++l.persistent_units;
-      l.persistent_shard += su;
+      l.persistent_shard = add(l.persistent_shard, su);
     } else {
       ++l.transient_units;
       l.largest_transient_shard = std::max(l.largest_transient_shard, su);
-      if (!u.reshard_after_forward) l.kept_shard += su;
+      if (!u.reshard_after_forward) l.kept_shard = add(l.kept_shard, su);
     }
   }
   return l;
@@ -220,7 +226,7 @@ constexpr std::vector<unit> buckets(std::span<const std::uint64_t> param_numels,
   std::vector<unit> rev;
   std::uint64_t acc = 0;
   for (std::size_t i = param_numels.size(); i-- > 0;) {
-    acc += param_numels[i];
+    acc = checked_add<std::uint64_t>(acc, param_numels[i], "plan::buckets: elements");
     if (bucket_elems != 0 && acc >= bucket_elems && i != 0) {
       rev.push_back(unit{acc});
       acc = 0;

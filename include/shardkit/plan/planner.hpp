@@ -51,7 +51,7 @@ struct stage_plan {
 //! Plans stage `s.stage` for `units` on cluster `c`, with bytes sent by rank `rank`.
 //! Preconditions: invalid_reason(s) and placement_problem(s, c) are null, rank < s.ranks.
 constexpr stage_plan plan_stage(const setup& s, std::span<const unit> units, const cluster& c,
-                                const gpu_budget& budget, std::uint64_t rank = 0) noexcept {
+                                const gpu_budget& budget, std::uint64_t rank = 0) {
   stage_plan p;
   p.config = s;
   p.layout = summarize(s, units);
@@ -75,7 +75,7 @@ struct plan_report {
 //! applies to stages 1-3) and recommends the lowest stage that fits: lower stages communicate
 //! no more (stage 3 sends 1.5× as much) and keep more state local.
 constexpr plan_report plan_all(setup base, std::span<const unit> units, const cluster& c,
-                               const gpu_budget& budget, std::uint64_t rank = 0) noexcept {
+                               const gpu_budget& budget, std::uint64_t rank = 0) {
   plan_report r;
   for (int st = 0; st <= 3; ++st) {
     base.stage = st;

@@ -175,7 +175,7 @@ constexpr double collective_time(collective op, std::uint64_t count, std::uint64
 //! step's collectives (plan/comm.hpp) of their times. Preconditions: invalid_reason(s) and
 //! placement_problem(s, c) are null.
 constexpr double comm_time_per_step(const setup& s, std::span<const unit> units, const cluster& c,
-                                    algorithm a = algorithm::ring) noexcept {
+                                    algorithm a = algorithm::ring) {
   double t = 0.0;
   for_each_collective(s, units, [&](const collective_call& call) {
     t += static_cast<double>(call.repeat) *
@@ -186,7 +186,7 @@ constexpr double comm_time_per_step(const setup& s, std::span<const unit> units,
 
 //! As above, for a model of `psi` elements in one unit.
 constexpr double comm_time_per_step(const setup& s, std::uint64_t psi, const cluster& c,
-                                    algorithm a = algorithm::ring) noexcept {
+                                    algorithm a = algorithm::ring) {
   const unit one[1] = {unit{psi}};
   return comm_time_per_step(s, std::span<const unit>(one), c, a);
 }

@@ -36,6 +36,7 @@
 
 #include <shardkit/comm/volume.hpp>
 #include <shardkit/config.hpp>
+#include <shardkit/core/checked.hpp>
 #include <shardkit/core/ledger.hpp>
 
 #include <algorithm>
@@ -70,37 +71,54 @@ struct state_bytes {
   std::uint64_t grads = 0;
   std::uint64_t master_params = 0;
   std::uint64_t optimizer_moments = 0;
-  constexpr std::uint64_t total() const noexcept {
-    return working_params + grads + master_params + optimizer_moments;
+  constexpr std::uint64_t total() const {
+    constexpr const char* what = "model-state bytes";
+    return checked_add<std::uint64_t>(checked_add(working_params, grads, what),
+                                      checked_add(master_params, optimizer_moments, what), what);
   }
   friend constexpr bool operator==(const state_bytes&, const state_bytes&) = default;
 };
 
 //! S = round_up(ceil(Ψ/N), alignment): one group's per-rank shard.
+//! Raises size_overflow when the rounded size does not fit in 64 bits.
 constexpr std::uint64_t shard_elems(std::uint64_t psi, std::uint64_t ranks,
-                                    std::uint64_t alignment = 1) noexcept {
-  const std::uint64_t s = (psi + ranks - 1) / ranks;
-  return (s + alignment - 1) / alignment * alignment;
+                                    std::uint64_t alignment = 1) {
+  return checked_round_up<std::uint64_t>(ceil_div<std::uint64_t>(psi, ranks), alignment,
+                                         "shard size round_up(ceil(psi / N), alignment)");
 }
 
 //! Bytes per rank for `stage` with Ψ true elements, G ranks per shard group and a total
 //! per-rank shard of S elements (Σ over groups).
+//! Raises size_overflow when a byte count does not fit in 64 bits.
 constexpr state_bytes model_state_bytes(int stage, std::uint64_t psi, std::uint64_t ranks,
-                                        std::uint64_t shard, precision p) noexcept {
-  const std::uint64_t full = ranks * shard;
+                                        std::uint64_t shard, precision p) {
+  constexpr const char* what = "model-state bytes";
+  const auto mul = [](std::uint64_t a, std::uint64_t b) {
+    return checked_mul<std::uint64_t>(a, b, what);
+  };
+  const std::uint64_t full = mul(ranks, shard);
+  state_bytes b;
   switch (stage) {
     case 0:
-      return {p.working_bytes * psi, p.grad_bytes * psi, p.master_bytes * psi, p.state_bytes * psi};
+      b = {mul(p.working_bytes, psi), mul(p.grad_bytes, psi), mul(p.master_bytes, psi),
+           mul(p.state_bytes, psi)};
+      break;
     case 1:
-      return {p.working_bytes * full, p.grad_bytes * full, p.master_bytes * shard,
-              p.state_bytes * shard};
+      b = {mul(p.working_bytes, full), mul(p.grad_bytes, full), mul(p.master_bytes, shard),
+           mul(p.state_bytes, shard)};
+      break;
     case 2:
-      return {p.working_bytes * full, p.grad_bytes * shard, p.master_bytes * shard,
-              p.state_bytes * shard};
+      b = {mul(p.working_bytes, full), mul(p.grad_bytes, shard), mul(p.master_bytes, shard),
+           mul(p.state_bytes, shard)};
+      break;
     default:
-      return {p.working_bytes * shard, p.grad_bytes * shard, p.master_bytes * shard,
-              p.state_bytes * shard};
+      b = {mul(p.working_bytes, shard), mul(p.grad_bytes, shard), mul(p.master_bytes, shard),
+           mul(p.state_bytes, shard)};
   }
+  (void)checked_add<std::uint64_t>(
+      checked_add<std::uint64_t>(b.working_params, b.grads, what),
+      checked_add<std::uint64_t>(b.master_params, b.optimizer_moments, what), what);
+  return b;
 }
 
 //! ZeRO-3: the most parameter elements gathered at once,
@@ -109,9 +127,14 @@ constexpr state_bytes model_state_bytes(int stage, std::uint64_t psi, std::uint6
 constexpr std::uint64_t live_elems_bound(std::uint64_t prefetch, std::uint64_t transient_units,
                                          std::uint64_t largest_transient_padded,
                                          std::uint64_t persistent_padded, std::uint64_t kept_padded,
-                                         std::uint64_t max_live_elems) noexcept {
-  const std::uint64_t window = std::min<std::uint64_t>(1 + prefetch, transient_units);
-  const std::uint64_t bound = window * largest_transient_padded + persistent_padded + kept_padded;
+                                         std::uint64_t max_live_elems) {
+  constexpr const char* what = "ZeRO-3 live-element bound";
+  const std::uint64_t window =
+      std::min<std::uint64_t>(checked_add<std::uint64_t>(1, prefetch, what), transient_units);
+  const std::uint64_t bound = checked_add<std::uint64_t>(
+      checked_add<std::uint64_t>(checked_mul(window, largest_transient_padded, what),
+                                 persistent_padded, what),
+      kept_padded, what);
   return max_live_elems != 0 ? std::min(bound, max_live_elems) : bound;
 }
 

@@ -135,9 +135,10 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
   using optimizer_component = shard_optimizer<memory_space, Optimizer, Working, Grad>;
   using control_component = step_control<memory_space>;
 
-  //! Builds the buffers for `model` and copies its initial values. Collective: hybrid sharding
-  //! splits the communicator, options.broadcast_init broadcasts, ZeRO-3 gathers persistent
-  //! units.
+  //! Builds the buffers for `model` and copies its initial values. Collective: the ranks first
+  //! agree on the model and the options (a named error on every rank when one rank's input is
+  //! invalid or they differ), hybrid sharding splits the communicator, options.broadcast_init
+  //! broadcasts, ZeRO-3 gathers persistent units.
   engine(Comm& comm, const model_spec& model, optimizer_options opt = {},
          engine_options options = {})
       : engine(comm, model, param_groups<optimizer_options>({opt}), options) {}
@@ -147,10 +148,9 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
   //!     engine e(comm, model, shardkit::param_groups<adam_options>({decay, no_decay}), eo);
   engine(Comm& comm, const model_spec& model, param_groups<optimizer_options> groups,
          engine_options options = {})
-      : registry_(model),
-        options_(detail::checked_engine_options<Optimizer>(
-            options, stage, comm.rank(), comm.size(), registry_,
-            std::span<const optimizer_options>(groups.options))),
+      : registry_(detail::agreed_registry<Optimizer, Working, Grad>(
+            comm, stage, model, options, std::span<const optimizer_options>(groups.options))),
+        options_(options),
         ops_(options.compute_stream, comm_orders_by_stream),
         control_(detail::control_options(options, std::is_same_v<Working, fp16>), ops_),
         topology_(stream_set(comm, options.compute_stream),
@@ -161,6 +161,8 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
         optimizer_(layout_, shard_index(), registry_.param_groups(), std::move(groups), &memory_,
                    ops_) {
     topology_.set_compute_stream(options.compute_stream);
+    // The ranks' agreement on the model and the options (detail::agreed_registry).
+    log_.record(comm, collective::all_gather, 1 + max_fingerprint_fields, sizeof(std::uint64_t), 0);
     {
       [[maybe_unused]] auto on_stream = ops_.scope();  // device tables in stream order
       optimizer_.bind(grads_.gradients(), params_.working());

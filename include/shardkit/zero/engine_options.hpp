@@ -11,11 +11,14 @@
 #include <shardkit/core/device.hpp>
 #include <shardkit/core/error.hpp>
 #include <shardkit/kernels/math.hpp>
+#include <shardkit/zero/fingerprint.hpp>
 #include <shardkit/zero/registry.hpp>
 #include <shardkit/zero/shard_optimizer.hpp>
 #include <shardkit/zero/step_control.hpp>
 
+#include <bit>
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <span>
 
@@ -117,6 +120,57 @@ const engine_options& checked_engine_options(const engine_options& o, int stage,
   return o;
 }
 
+//! The fields of the options every rank of an engine must agree on (the engine compares them
+//! across ranks at construction, with the model's: zero/fingerprint.hpp): stage, element types,
+//! optimizer and every hyper-parameter of every parameter group, and every option that changes
+//! the collectives or the arithmetic. Not compared: trace and compute_stream (local matters).
+template <optimizer_policy Opt>
+fingerprint options_fingerprint(const engine_options& o, int stage, int ranks, dtype working,
+                                dtype grad, std::span<const typename Opt::options> groups) {
+  auto one = [](auto... v) {
+    stable_hash h;
+    (h.u64(static_cast<std::uint64_t>(v)), ...);
+    return h.value();
+  };
+  stable_hash opt;
+  opt.str(Opt::name).u64(Opt::state_count).u64(groups.size());
+  for (const auto& g : groups) {
+    opt.f32(g.lr);
+    if constexpr (requires { Opt::describe(g); }) {
+      for (const auto& [name, value] : Opt::describe(g)) {
+        opt.str(name).u64(std::bit_cast<std::uint64_t>(static_cast<double>(value)));
+      }
+    }
+  }
+  stable_hash clip, scaling;
+  clip.f32(o.clip_grad_norm).u64(static_cast<std::uint64_t>(o.clip_norm));
+  scaling.u64(o.disable_loss_scale ? 1 : 0).u64(o.loss_scale.has_value() ? 1 : 0);
+  if (o.loss_scale) {
+    const auto& l = *o.loss_scale;
+    scaling.f32(l.init_scale).f32(l.growth_factor).u64(l.growth_interval);
+    scaling.f32(l.backoff_factor).f32(l.min_scale);
+  }
+  return {{"ranks", one(ranks)},
+          {"stage", one(stage)},
+          {"working type", one(working)},
+          {"gradient type", one(grad)},
+          {"optimizer and its options per parameter group", opt.value()},
+          {"bucket_elems", one(o.bucket_elems)},
+          {"grad_buffers", one(o.grad_buffers)},
+          {"alignment", one(o.alignment)},
+          {"average_grads", one(o.average_grads)},
+          {"broadcast_init", one(o.broadcast_init)},
+          {"allow_missing_grads", one(o.allow_missing_grads)},
+          {"prefetch", one(o.prefetch)},
+          {"persist_below", one(o.persist_below)},
+          {"max_live_elems", one(o.max_live_elems)},
+          {"check_schedule", one(o.check_schedule)},
+          {"clipping (clip_grad_norm, clip_norm)", clip.value()},
+          {"report_grad_norm", one(o.report_grad_norm)},
+          {"loss scaling (loss_scale, disable_loss_scale)", scaling.value()},
+          {"shard_group_size", one(o.shard_group_size)}};
+}
+
 //! The step_control settings among the engine's options.
 inline step_control_options control_options(const engine_options& o, bool fp16_working) {
   step_control_options c;
@@ -128,6 +182,30 @@ inline step_control_options control_options(const engine_options& o, bool fp16_w
   c.fp16 = fp16_working;
   c.check_schedule = o.check_schedule;
   return c;
+}
+
+//! Collective, first thing an engine does: builds the registry of `model` and checks the
+//! options on this rank, then has every rank agree (agree_across_ranks) on the model's and the
+//! options' fingerprints. A rank whose input is invalid raises its own error and every other
+//! rank an error naming it; ranks given different models or settings all raise naming what
+//! differs. Returns the registry.
+template <optimizer_policy Opt, float_storage Working, float_storage Grad, class Comm>
+param_registry agreed_registry(Comm& comm, int stage, const model_spec& model,
+                               const engine_options& o,
+                               std::span<const typename Opt::options> groups) {
+  param_registry reg;
+  agree_across_ranks(comm, "engine", [&] {
+    reg = param_registry(model);
+    checked_engine_options<Opt>(o, stage, comm.rank(), comm.size(), reg, groups);
+    (void)step_control<host_space>(control_options(o, std::is_same_v<Working, fp16>));
+    fingerprint fp = model_fingerprint(reg);
+    for (auto& f : options_fingerprint<Opt>(o, stage, comm.size(), dtype_of<Working>,
+                                            dtype_of<Grad>, groups)) {
+      fp.push_back(std::move(f));
+    }
+    return fp;
+  });
+  return reg;
 }
 
 }  // namespace detail

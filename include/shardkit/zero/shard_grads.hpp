@@ -167,7 +167,7 @@ class shard_grads {
     if (!opts_.allow_missing_grads) {
       std::size_t listed = 0;
       const std::string missing = missing_in(g, listed);
-      detail::raise<usage_error>(who, ": ", label(g),
+      detail::raise<usage_error>(who, ": ", given_twice(g, b.rounds_at_begin), label(g),
                                  " finished its backward without the gradients of ", missing,
                                  listed == 8 ? ", ..." : "",
                                  " (hand every gradient of it over before its backward ends, or "
@@ -191,7 +191,7 @@ class shard_grads {
   //! allow_missing_grads, which issues them as they are); then waits for every reduce-scatter
   //! and adds the micro-batch scratch into the shard. `who` names the caller in messages.
   void finish(const char* who = "shard_grads::finish") {
-    std::string missing;
+    std::string missing, twice;
     std::size_t listed = 0;
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       auto& b = groups_[g];
@@ -203,10 +203,11 @@ class shard_grads {
       }
       const std::string m = missing_in(g, listed);
       if (!m.empty()) missing += (missing.empty() ? "" : ", ") + m;
+      if (twice.empty()) twice = given_twice(g, 0);
     }
     if (!missing.empty()) {
-      detail::raise<usage_error>(who,
-                                 " needs the gradient of every parameter before the step "
+      detail::raise<usage_error>(who, ": ", twice,
+                                 "the step needs the gradient of every parameter "
                                  "(grad_ready, or shard_grads::add); missing: ",
                                  missing, listed == 8 ? ", ..." : "",
                                  " (set allow_missing_grads to treat them as zero)");
@@ -256,6 +257,7 @@ class shard_grads {
     inflight_.clear();
     for (auto& b : groups_) {
       b.rounds = 0;
+      b.rounds_at_begin = 0;
       b.reported = 0;
       b.slot = -1;
     }
@@ -315,10 +317,13 @@ class shard_grads {
       complete(*sl);
     }
     if (sl == nullptr) {
-      std::string open;
-      for (const auto& c : slots_) open += (open.empty() ? "" : ", ") + std::to_string(c.group);
+      std::string open, twice;
+      for (const auto& c : slots_) {
+        open += (open.empty() ? "" : ", ") + std::to_string(c.group);
+        if (twice.empty()) twice = given_twice(c.group, groups_[c.group].rounds_at_begin);
+      }
       const char* word = group_word();
-      detail::raise<usage_error>(who, ": the gradient of parameter '", reg_->name(param),
+      detail::raise<usage_error>(who, ": ", twice, "the gradient of parameter '", reg_->name(param),
                                  "' belongs to ", word, " ", g, ", but all ", slots_.size(),
                                  " staging buffer(s) hold incomplete ", word, "(s) {", open,
                                  "}. Hand gradients over ", word, " by ", word,
@@ -389,6 +394,23 @@ class shard_grads {
       }
     }
     return missing;
+  }
+
+  // When group g's open round holds gradients handed over after the group was already reduced
+  // in this step (since `since` rounds), the likely cause: a gradient given twice. "" otherwise.
+  std::string given_twice(std::size_t g, std::size_t since) const {
+    const auto& b = groups_[g];
+    if (b.slot < 0 || b.rounds <= since) return {};
+    std::string again;
+    const auto& ge = layout_->group(g);
+    for (std::size_t i = ge.first_param; i < ge.end_param; ++i) {
+      if (seen_[i]) again += (again.empty() ? "'" : ", '") + reg_->name(i) + "'";
+    }
+    return detail::concat(
+        "the gradient of ", again, " was handed over again after ", label(g),
+        " had received all of its gradients and been reduced (a gradient given twice? "
+        "to accumulate, hand over every gradient of it again, or declare micro-batches "
+        "with begin_micro_batch); ");
   }
 
   Comm* comm_;

@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -56,8 +57,10 @@ struct step_report {
   //! The step was skipped on every rank because a gradient was infinite or NaN (only detected
   //! when loss scaling, clipping or report_grad_norm needs a pass over the gradients).
   bool skipped = false;
-  float grad_norm = NAN;      //!< L2 norm of the averaged, unscaled gradient (NaN: not computed)
-  float grad_inf_norm = NAN;  //!< largest |element| of it (NaN: not computed)
+  //! L2 norm of the averaged, unscaled gradient (NaN: not computed; +inf when an element is
+  //! infinite or NaN, and the step is skipped).
+  float grad_norm = NAN;
+  float grad_inf_norm = NAN;  //!< largest |element| of it (NaN: not computed; +inf as above)
   float clip_coef = 1.0f;     //!< factor the clipping applied
   float loss_scale = 1.0f;    //!< the loss scale to use for the next step
   bool loss_scale_at_minimum = false;  //!< an overflow happened with the scale at min_scale
@@ -190,8 +193,15 @@ class step_control {
   //! sum is multiplied by `base` (1 / (ranks · micro-batches · loss scale) when averaging), and
   //! returns the gradient multiplier of the optimizer step: base · clip coefficient.
   double decide(const control_result& ctl, double base, step_report& rep) const {
-    if (ctl.have_norm) rep.grad_norm = static_cast<float>(std::sqrt(ctl.norm_squared) * base);
-    if (ctl.have_inf_norm) rep.grad_inf_norm = static_cast<float>(ctl.max_abs * base);
+    // A non-finite element makes every norm infinite (the sums above count only finite ones).
+    const double inf = std::numeric_limits<double>::infinity();
+    if (ctl.have_norm) {
+      rep.grad_norm =
+          static_cast<float>(ctl.nonfinite != 0 ? inf : std::sqrt(ctl.norm_squared) * base);
+    }
+    if (ctl.have_inf_norm) {
+      rep.grad_inf_norm = static_cast<float>(ctl.nonfinite != 0 ? inf : ctl.max_abs * base);
+    }
     double coef = 1.0;
     if (opts_.clip_grad_norm > 0.0f && ctl.nonfinite == 0) {
       const double norm = opts_.clip_norm == grad_norm_kind::l2 ? std::sqrt(ctl.norm_squared) * base

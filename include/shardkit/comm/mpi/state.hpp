@@ -71,6 +71,7 @@ class mpi_state {
     // scratch (a failed communicator's queue is never freed, see close()).
     queue_.push_back(op);
     try {
+      if (opts_.detect_divergence && !opts_.check_matching) start_signature_exchange(*op);
       start(*op);
     } catch (...) {
       broken_ = concat(op->what(), " could not be started on rank ", rank_);
@@ -107,7 +108,7 @@ class mpi_state {
     throw_if_broken([] { return std::string("split"); });
     drain(lk);
     const std::uint64_t call = ++calls_;
-    if (opts_.check_matching) check_matching(lk, d, true, call);
+    if (opts_.check_matching || opts_.detect_divergence) check_matching(lk, d, true, call);
     const std::string what = concat("split(color ", color, ", key ", key, ") (call #", call, ")");
     MPI_Comm a = MPI_COMM_NULL, b = MPI_COMM_NULL;
     mpi_check(MPI_Comm_split(comm_, color, key, &a), "MPI_Comm_split", what, rank_, size_);
@@ -224,9 +225,17 @@ class mpi_state {
     }
   }
 
-  // Moves `op` forward; true when it is done (successfully or with an error).
+  // Moves `op` forward; true when it is done (successfully or with an error). With
+  // check_matching, it is done only once every rank's signature arrived and matched.
   bool advance(mpi_op& op) {
     try {
+      if (!op.signatures_compared) {
+        int flag = 0;
+        check(MPI_Test(&op.signature_request, &flag, MPI_STATUS_IGNORE), "MPI_Test", op);
+        if (!flag) return false;
+        op.signatures_compared = true;
+        compare_signatures(op.signatures.data(), op.call);
+      }
       while (!op.done()) {
         if (!requests_done(op)) return false;
         if (op.stage == 0) {
@@ -421,36 +430,38 @@ class mpi_state {
     }
   }
 
-  // Compares what every rank is about to call; throws collective_mismatch on every rank.
-  void check_matching(std::unique_lock<std::mutex>& lk, const collective_desc& d, bool is_split,
-                      std::uint64_t call) {
-    constexpr int fields = 6;
-    const auto N = static_cast<std::size_t>(size_);
-    // This rank's fields after everyone's. Kept in the state: if the exchange times out, MPI may
-    // still use the buffer later (close() then never frees it).
-    check_buffer_.assign((N + 1) * fields, 0);
-    std::int64_t* mine = check_buffer_.data() + N * fields;
+  static constexpr int signature_fields = 6;
+
+  // This rank's signature of `d` at `mine` (signature_fields values).
+  static void write_signature(std::int64_t* mine, const collective_desc& d, bool is_split) {
     mine[0] = static_cast<std::int64_t>(d.kind);
     mine[1] = static_cast<std::int64_t>(d.type);
     mine[2] = static_cast<std::int64_t>(d.count);
     mine[3] = static_cast<std::int64_t>(d.op);
     mine[4] = static_cast<std::int64_t>(d.root);
     mine[5] = is_split ? 1 : 0;
-    MPI_Request req = MPI_REQUEST_NULL;
-    const std::string what = concat(describe(d, is_split), " (call #", call, ", matching check)");
-    mpi_check(MPI_Iallgather(mine, fields, MPI_INT64_T, check_buffer_.data(), fields, MPI_INT64_T,
-                             comm_, &req),
-              "MPI_Iallgather", what, rank_, size_);
-    poll(
-        lk,
-        [&] {
-          int flag = 0;
-          mpi_check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test", what, rank_, size_);
-          return flag != 0;
-        },
-        [&] { return what; });
+  }
+
+  // Starts gathering every rank's signature of `op` (before op itself, in issue order on
+  // comm_, so the k-th exchange of every rank is the same MPI call even when the collectives
+  // differ).
+  void start_signature_exchange(mpi_op& op) {
+    const auto N = static_cast<std::size_t>(size_);
+    op.signatures.assign((N + 1) * signature_fields, 0);
+    std::int64_t* mine = op.signatures.data() + N * signature_fields;
+    write_signature(mine, op.desc, false);
+    check(MPI_Iallgather(mine, signature_fields, MPI_INT64_T, op.signatures.data(),
+                         signature_fields, MPI_INT64_T, comm_, &op.signature_request),
+          "MPI_Iallgather", op);
+    op.signatures_compared = false;
+  }
+
+  // Throws collective_mismatch (on every rank: each compares the same gathered values) unless
+  // the N signatures at `all` agree.
+  void compare_signatures(const std::int64_t* all, std::uint64_t call) const {
+    const auto N = static_cast<std::size_t>(size_);
     auto desc_of = [&](std::size_t q, bool& split) {
-      const std::int64_t* f = check_buffer_.data() + q * fields;
+      const std::int64_t* f = all + q * signature_fields;
       collective_desc x;
       x.kind = static_cast<collective>(f[0]);
       x.type = static_cast<dtype>(f[1]);
@@ -471,6 +482,32 @@ class mpi_state {
                    "; seen on rank ", rank_));
       }
     }
+  }
+
+  // Compares what every rank is about to call before it starts (blocking; check_matching, and
+  // split() with either check).
+  void check_matching(std::unique_lock<std::mutex>& lk, const collective_desc& d, bool is_split,
+                      std::uint64_t call) {
+    const auto N = static_cast<std::size_t>(size_);
+    // Kept in the state: if the exchange times out, MPI may still use the buffer later (close()
+    // then never frees it).
+    check_buffer_.assign((N + 1) * signature_fields, 0);
+    std::int64_t* mine = check_buffer_.data() + N * signature_fields;
+    write_signature(mine, d, is_split);
+    MPI_Request req = MPI_REQUEST_NULL;
+    const std::string what = concat(describe(d, is_split), " (call #", call, ", matching check)");
+    mpi_check(MPI_Iallgather(mine, signature_fields, MPI_INT64_T, check_buffer_.data(),
+                             signature_fields, MPI_INT64_T, comm_, &req),
+              "MPI_Iallgather", what, rank_, size_);
+    poll(
+        lk,
+        [&] {
+          int flag = 0;
+          mpi_check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test", what, rank_, size_);
+          return flag != 0;
+        },
+        [&] { return what; });
+    compare_signatures(check_buffer_.data(), call);
   }
 
   template <class What>

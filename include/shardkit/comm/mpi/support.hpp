@@ -53,13 +53,21 @@ enum class mpi_progress : std::uint8_t {
 //! Settings of an mpi_comm; communicators made by split() inherit them.
 struct mpi_comm_options {
   //! How long a collective may wait for the other ranks before it fails with comm_timeout
-  //! (zero: wait forever). Long by default: a rank may legitimately wait while another one
-  //! saves a checkpoint.
-  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
-  //! Before each collective, compare kind, element type, count, operation and root across the
-  //! ranks (one small MPI_Iallgather) and throw collective_mismatch on every rank when they
-  //! differ. Off by default: it adds a latency-bound exchange to every collective and makes
-  //! issuing an asynchronous collective wait until every rank has issued it.
+  //! (zero: wait forever). Two minutes by default, as thread_comm: long enough for a rank to
+  //! wait while another one saves an ordinary checkpoint (raise it when saves take longer),
+  //! short enough that a dead or stuck rank ends the job in minutes rather than hours.
+  std::chrono::milliseconds timeout{std::chrono::minutes(2)};
+  //! With each collective, exchange its kind, element type, count, operation and root across
+  //! the ranks (one small MPI_Iallgather of 48 bytes per rank, issued just before the collective
+  //! and completed with it; issuing never waits for it) and throw collective_mismatch on every
+  //! rank when they differ, instead of waiting for the timeout. The mismatched collective was
+  //! started, so the communicator is unusable after (as after comm_timeout). On by default:
+  //! one small message per collective (benchmarks/README.md gives the cost).
+  bool detect_divergence = true;
+  //! Before each collective, compare the same fields (a blocking exchange): the mismatched
+  //! collective is never started and the communicator stays usable, at the price of a
+  //! latency-bound wait before every collective, also asynchronous ones. Replaces
+  //! detect_divergence when set.
   bool check_matching = false;
   //! See mpi_progress.
   mpi_progress progress = mpi_progress::on_call;
@@ -163,6 +171,11 @@ struct mpi_op {
   std::vector<part> parts;
   std::unique_ptr<std::byte[]> scratch;
   std::vector<MPI_Request> requests;
+  //! check_matching: every rank's signature of this collective (mpi_state::signature_fields
+  //! each), the request that gathers them, and whether they were compared.
+  std::vector<std::int64_t> signatures;
+  MPI_Request signature_request = MPI_REQUEST_NULL;
+  bool signatures_compared = true;
   int stage = 0;  // 0: first MPI calls in flight, 1: all_reduce's all-gather in flight, 2: done
   std::exception_ptr error;
 
