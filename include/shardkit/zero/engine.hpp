@@ -150,7 +150,7 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
         options_(detail::checked_engine_options<Optimizer>(
             options, stage, comm.rank(), comm.size(), registry_,
             std::span<const optimizer_options>(groups.options))),
-        ops_(options.compute_stream, comm_orders_by_stream),
+        ops_(detail::make_space_ops<memory_space>(options, comm_orders_by_stream)),
         control_(detail::control_options(options, std::is_same_v<Working, fp16>), ops_),
         topology_(stream_set(comm, options.compute_stream),
                   stage == 0 ? 0 : options.shard_group_size),
