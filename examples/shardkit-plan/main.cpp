@@ -13,9 +13,10 @@
 // --json prints one object:
 //   shardkit_version                   string
 //   inputs                             the parsed arguments: params, units, largest_unit,
-//                                      ranks, hybrid_shard_ranks (0 = none), dtype, optimizer,
-//                                      optimizer_states, bytes_per_element {working, grad, master,
-//                                      optimizer}, alignment, grad_buffers, micro_batches,
+//                                      ranks, hybrid_shard_ranks (0 = none), dtype, grad_dtype,
+//                                      optimizer, optimizer_states, bytes_per_element {working,
+//                                      grad, master, optimizer}, alignment, grad_buffers,
+//                                      micro_batches,
 //                                      prefetch, persist_below, reshard_after_forward,
 //                                      max_live_elems, gpu_mem_bytes, headroom_bytes,
 //                                      usable_bytes, activation_bytes, gpus_per_node,
@@ -60,6 +61,8 @@ constexpr const char* usage_text =
     "    --largest-unit L      with --params: units of L parameters (and one of the rest)\n"
     "    --dtype bf16|fp16|fp32           working parameters and gradients (default bf16;\n"
     "                                     16-bit adds an fp32 master copy)\n"
+    "    --grad-dtype bf16|fp16|fp32      gradients in a type of their own (default: --dtype;\n"
+    "                                     fp32 under bf16 is engine<..., bf16, Opt, float>)\n"
     "    --optimizer adamw|adam|sgd       sgd = SGD with momentum (default adamw)\n"
     "  set-up\n"
     "    --ranks N             data-parallel ranks (GPUs)\n"
@@ -95,6 +98,7 @@ struct options {
   std::optional<std::uint64_t> ranks;
   std::optional<std::uint64_t> gpu_mem;
   shardkit::dtype dtype = shardkit::dtype::bf16;
+  std::optional<shardkit::dtype> grad_dtype;  // none: the working dtype
   plan::optimizer_kind optimizer = plan::optimizer_kind::adamw;
   std::uint64_t hybrid = 0;
   std::uint64_t micro_batches = 1;
@@ -161,15 +165,9 @@ options parse(int argc, char** argv) {
     } else if (a == "--gpu-mem") {
       o.gpu_mem = at_least(a, v, cli::parse_bytes(a, v), 1);
     } else if (a == "--dtype") {
-      if (v == "bf16") {
-        o.dtype = shardkit::dtype::bf16;
-      } else if (v == "fp16") {
-        o.dtype = shardkit::dtype::f16;
-      } else if (v == "fp32") {
-        o.dtype = shardkit::dtype::f32;
-      } else {
-        cli::fail(a, v, "is not a training dtype; expected bf16, fp16 or fp32");
-      }
+      o.dtype = cli::parse_dtype(a, v);
+    } else if (a == "--grad-dtype") {
+      o.grad_dtype = cli::parse_dtype(a, v);
     } else if (a == "--optimizer") {
       if (v == "adamw") {
         o.optimizer = plan::optimizer_kind::adamw;
@@ -352,10 +350,14 @@ void print_table(const options& o, const plan::plan_report& r, std::span<const p
               with_commas(largest_unit).c_str(), with_commas(N).c_str(), with_commas(nodes).c_str(),
               nodes == 1 ? "" : "s");
   const auto& p = s0.bytes;
-  std::printf("%s working params and grads%s, %s (%" PRIu64 " fp32 state%s per parameter)\n",
-              shardkit::name(o.dtype), p.master_bytes != 0 ? ", fp32 master" : "",
-              plan::name(o.optimizer), plan::state_count(o.optimizer),
-              plan::state_count(o.optimizer) == 1 ? "" : "s");
+  const shardkit::dtype grads = o.grad_dtype.value_or(o.dtype);
+  const std::string kinds = grads == o.dtype
+                                ? std::string(shardkit::name(o.dtype)) + " working params and grads"
+                                : std::string(shardkit::name(o.dtype)) + " working params, " +
+                                      shardkit::name(grads) + " grads";
+  std::printf("%s%s, %s (%" PRIu64 " fp32 state%s per parameter)\n", kinds.c_str(),
+              p.master_bytes != 0 ? ", fp32 master" : "", plan::name(o.optimizer),
+              plan::state_count(o.optimizer), plan::state_count(o.optimizer) == 1 ? "" : "s");
   if (o.hybrid > 1 && o.hybrid < N) {
     std::printf("hybrid sharding: stages 1-3 shard within groups of %s ranks, %s replicas\n",
                 with_commas(o.hybrid).c_str(), with_commas(N / o.hybrid).c_str());
@@ -455,9 +457,11 @@ void print_json(const options& o, const plan::plan_report& r, std::span<const pl
   std::printf("{\"shardkit_version\": \"%s\",\n", SHARDKIT_VERSION_STRING);
   std::printf(" \"inputs\": {\"params\": %" PRIu64 ", \"units\": %zu, \"largest_unit\": %" PRIu64
               ", \"ranks\": %" PRIu64 ", \"hybrid_shard_ranks\": %" PRIu64
-              ", \"dtype\": \"%s\", \"optimizer\": \"%s\", \"optimizer_states\": %" PRIu64 ",\n",
+              ", \"dtype\": \"%s\", \"grad_dtype\": \"%s\", \"optimizer\": \"%s\""
+              ", \"optimizer_states\": %" PRIu64 ",\n",
               *o.params, model.size(), largest_unit, s0.ranks, o.hybrid, shardkit::name(o.dtype),
-              plan::name(o.optimizer), plan::state_count(o.optimizer));
+              shardkit::name(o.grad_dtype.value_or(o.dtype)), plan::name(o.optimizer),
+              plan::state_count(o.optimizer));
   std::printf("  \"bytes_per_element\": {\"working\": %" PRIu64 ", \"grad\": %" PRIu64
               ", \"master\": %" PRIu64 ", \"optimizer\": %" PRIu64 "},\n",
               p.working_bytes, p.grad_bytes, p.master_bytes, p.state_bytes);
@@ -531,7 +535,7 @@ int main(int argc, char** argv) {
     s.ranks = *o.ranks;
     s.shard_ranks = o.hybrid;
     s.alignment = o.alignment;
-    s.bytes = plan::precision_of(o.dtype, o.optimizer);
+    s.bytes = plan::precision_of(o.dtype, o.grad_dtype.value_or(o.dtype), o.optimizer);
     s.grad_buffers = o.grad_buffers;
     s.micro_batches = o.micro_batches;
     s.prefetch = o.prefetch;

@@ -8,7 +8,10 @@
 //   bandwidth:  450GB/s, 50GiB/s, 400Gbit/s (= 50GB/s)
 //   durations:  5us, 5µs, 2ms, 500ns, 1e-5s
 //   headroom:   10% (of the GPU's memory) or bytes (4GB)
+//   dtypes:     bf16, fp16, fp32 (working parameters, gradients)
 #pragma once
+
+#include <shardkit/core/dtype.hpp>
 
 #include <cctype>
 #include <cerrno>
@@ -216,6 +219,15 @@ inline double parse_duration(std::string_view flag, std::string_view text) {
        "has an unknown unit '" + std::string(d.suffix) +
            "'; expected a duration such as 5us, "
            "2ms, 500ns or 1e-5s");
+}
+
+//! A training dtype (of the working parameters or of the gradients): bf16, fp16 or fp32, the
+//! names shardkit::name(dtype) prints.
+inline shardkit::dtype parse_dtype(std::string_view flag, std::string_view text) {
+  if (text == "bf16") return shardkit::dtype::bf16;
+  if (text == "fp16") return shardkit::dtype::f16;
+  if (text == "fp32") return shardkit::dtype::f32;
+  fail(flag, text, "is not a training dtype; expected bf16, fp16 or fp32");
 }
 
 //! A reserve of memory: a percentage of the GPU's memory ("10%") or bytes ("4GB").

@@ -47,7 +47,7 @@ endfunction()
 foreach(key shardkit_version inputs stages recommended_stage)
   get_json(v ${key})
 endforeach()
-foreach(key params units largest_unit ranks hybrid_shard_ranks dtype optimizer optimizer_states
+foreach(key params units largest_unit ranks hybrid_shard_ranks dtype grad_dtype optimizer optimizer_states
             alignment grad_buffers micro_batches prefetch persist_below reshard_after_forward
             max_live_elems gpu_mem_bytes headroom_bytes usable_bytes activation_bytes
             gpus_per_node rank)

@@ -110,3 +110,14 @@ TEST_CASE("shardkit-plan: unit lists inline or from a file") {
                     Contains("--units: 'x' is not a number"));
   CHECK_THROWS_WITH(cli::parse_units("--units", " , ", source), Contains("lists no unit sizes"));
 }
+
+TEST_CASE("shardkit-plan: training dtypes for --dtype and --grad-dtype") {
+  CHECK(cli::parse_dtype("--grad-dtype", "fp32") == shardkit::dtype::f32);
+  CHECK(cli::parse_dtype("--grad-dtype", "bf16") == shardkit::dtype::bf16);
+  CHECK(cli::parse_dtype("--dtype", "fp16") == shardkit::dtype::f16);
+  CHECK_THROWS_WITH(
+      cli::parse_dtype("--grad-dtype", "fp8"),
+      Contains("--grad-dtype: 'fp8' is not a training dtype; expected bf16, fp16 or fp32"));
+  CHECK_THROWS_WITH(cli::parse_dtype("--grad-dtype", "FP32"), Contains("'FP32' is not a training"));
+  CHECK_THROWS_WITH(cli::parse_dtype("--dtype", ""), Contains("--dtype: '' is not a training"));
+}

@@ -87,10 +87,11 @@ std::vector<plan::unit> planner_units(const test::model_case& mc, const shardkit
 }
 
 //! Builds an engine on every rank, runs two steps and compares each rank's ledgers with the
-//! planner. Returns one string per rank: empty, or the first mismatch.
-template <class Policies, class W, class Opt>
+//! planner. Returns one string per rank: empty, or the first mismatch. Grad: the engine's
+//! gradient type (default the working type).
+template <class Policies, class W, class Opt, class Grad = W>
 std::vector<std::string> compare(int N, const test::model_case& mc, const variant& v) {
-  using engine_t = shardkit::engine<shardkit::thread_comm, Policies, W, Opt>;
+  using engine_t = shardkit::engine<shardkit::thread_comm, Policies, W, Opt, Grad>;
   constexpr int stage = Policies::stage;
   plan::setup s;
   s.stage = stage;
@@ -98,7 +99,7 @@ std::vector<std::string> compare(int N, const test::model_case& mc, const varian
   s.alignment = v.options.alignment;
   s.grad_buffers = v.options.grad_buffers;
   s.micro_batches = static_cast<std::uint64_t>(v.micro_batches);
-  s.bytes = plan::precision_of(shardkit::dtype_of<W>, Opt::state_count);
+  s.bytes = plan::precision_of(shardkit::dtype_of<W>, shardkit::dtype_of<Grad>, Opt::state_count);
   s.prefetch = v.options.prefetch;
   s.persist_below = v.options.persist_below;
   s.max_live_elems = v.options.max_live_elems;
@@ -184,18 +185,18 @@ std::vector<std::string> compare(int N, const test::model_case& mc, const varian
   });
 }
 
-template <class Policies, class W, class Opt>
+template <class Policies, class W, class Opt, class Grad = W>
 void compare_all() {
   for (const auto& mc : models()) {
     for (const auto& v : variants()) {
       for (int N : {1, 2, 3, 4, 8}) {
         const auto G = static_cast<int>(v.options.shard_group_size);
         if (G != 0 && (N % G != 0 || Policies::stage == 0)) continue;  // hybrid needs G | N
-        const auto per_rank = compare<Policies, W, Opt>(N, mc, v);
+        const auto per_rank = compare<Policies, W, Opt, Grad>(N, mc, v);
         for (std::size_t r = 0; r < per_rank.size(); ++r) {
-          INFO("stage " << Policies::stage << ", " << shardkit::dtype_of<W> << " + " << Opt::name
-                        << ", model '" << mc.name << "', " << v.name << ", " << N << " ranks, rank "
-                        << r);
+          INFO("stage " << Policies::stage << ", " << shardkit::dtype_of<W> << " (gradients "
+                        << shardkit::dtype_of<Grad> << ") + " << Opt::name << ", model '" << mc.name
+                        << "', " << v.name << ", " << N << " ranks, rank " << r);
           CHECK(per_rank[r] == "");
         }
       }
@@ -226,4 +227,17 @@ TEST_CASE("planner equals the engine's ledgers: stage 2") {
 }
 TEST_CASE("planner equals the engine's ledgers: stage 3") {
   check_stage<shardkit::zero3>();
+}
+
+// Gradients in their own type: bf16 working parameters with fp32 gradients (engine<..., bf16,
+// Opt, float>), and fp32 working parameters with bf16 gradients. The planner is told with
+// precision_of(working, grad, states); grads, staging and scratch take the gradient's bytes,
+// all-gathers the working parameters'.
+TEST_CASE("planner equals the engine's ledgers: gradients in a type of their own") {
+  compare_all<shardkit::zero0, shardkit::bf16, shardkit::adamw, float>();
+  compare_all<shardkit::zero1, shardkit::bf16, shardkit::adamw, float>();
+  compare_all<shardkit::zero2, shardkit::bf16, shardkit::adamw, float>();
+  compare_all<shardkit::zero3, shardkit::bf16, shardkit::adamw, float>();
+  compare_all<shardkit::zero2, float, shardkit::sgd_momentum, shardkit::bf16>();
+  compare_all<shardkit::zero3, float, shardkit::adam, shardkit::bf16>();
 }

@@ -125,6 +125,39 @@ TEST_CASE("planner: precision by dtype and optimizer") {
   STATIC_REQUIRE(plan::memory_per_rank(make(0, 1, sgd), 10u).total() == 120);
 }
 
+TEST_CASE("planner: gradients of their own type (fp32 gradients under bf16 parameters)") {
+  using shardkit::dtype;
+  // The fp32 master exists iff the working parameters are 16-bit, whatever the gradients.
+  STATIC_REQUIRE(plan::precision_of(dtype::bf16, dtype::f32, plan::optimizer_kind::adamw) ==
+                 plan::precision{2, 4, 4, 8});
+  STATIC_REQUIRE(plan::precision_of(dtype::f32, dtype::bf16, 2) == plan::precision{4, 2, 0, 8});
+  STATIC_REQUIRE(plan::precision_of(dtype::f16, dtype::bf16, plan::optimizer_kind::sgd_momentum) ==
+                 plan::precision{2, 2, 4, 4});
+  STATIC_REQUIRE(plan::precision_of(dtype::bf16, dtype::bf16, 2) ==
+                 plan::precision_of(dtype::bf16, 2));
+  // 7e9 on 8 ranks, bf16 + fp32 gradients + Adam (2 + 4 + 4 + 8 = 18 bytes per parameter),
+  // S = 875e6: stage 0 18Ψ = 126 GB; stage 1 2Ψ + 4Ψ + 12S = 52.5 GB; stage 2 2Ψ + 16S = 28 GB;
+  // stage 3 18S = 15.75 GB.
+  constexpr auto p = plan::precision_of(dtype::bf16, dtype::f32, plan::optimizer_kind::adamw);
+  STATIC_REQUIRE(plan::memory_per_rank(make(0, 8, p), psi7).model_state().total() == 126 * GB);
+  STATIC_REQUIRE(plan::memory_per_rank(make(1, 8, p), psi7).model_state().total() ==
+                 52'500'000'000);
+  STATIC_REQUIRE(plan::memory_per_rank(make(2, 8, p), psi7).model_state().total() == 28 * GB);
+  STATIC_REQUIRE(plan::memory_per_rank(make(3, 8, p), psi7).model_state().total() ==
+                 15'750'000'000);
+  STATIC_REQUIRE(plan::memory_per_rank(make(2, 8, p), psi7).grads == 3'500'000'000);
+  // Bytes sent: gradients (all-reduce, reduce-scatter) at 4 bytes, all-gathers at 2.
+  //   stage 0: (2Ψ - 2S)·4 = 49 GB; stages 1, 2: 7S·4 + 7S·2 = 36.75 GB; stage 3: 7S·4 + 2·7S·2
+  //   = 49 GB.
+  STATIC_REQUIRE(plan::bytes_sent_per_step(make(0, 8, p), psi7).total() == 49 * GB);
+  STATIC_REQUIRE(plan::bytes_sent_per_step(make(1, 8, p), psi7).reduce_scatter == 24'500'000'000);
+  STATIC_REQUIRE(plan::bytes_sent_per_step(make(1, 8, p), psi7).all_gather == 12'250'000'000);
+  STATIC_REQUIRE(plan::bytes_sent_per_step(make(2, 8, p), psi7).total() == 36'750'000'000);
+  STATIC_REQUIRE(plan::bytes_sent_per_step(make(3, 8, p), psi7).total() == 49 * GB);
+  // Stage 2's staging buffer holds fp32 gradients: 4·N·S for one bucket.
+  STATIC_REQUIRE(plan::memory_per_rank(make(2, 8, p), psi7).grad_buckets == 28 * GB);
+}
+
 TEST_CASE("planner: stage 2 buckets with alignment, staging buffers and micro-batches") {
   // Units {5, 14, 67, 7} on 4 ranks, alignment 4: S_u = 4, 4, 20, 4, S = 32.
   static constexpr plan::unit units[] = {{5}, {14}, {67}, {7}};
@@ -237,7 +270,7 @@ TEST_CASE("planner: ZeRO-3 units, prefetch, persistence and resharding (docs/acc
   CHECK(plan::live_elems(s, std::span<const plan::unit>(units)) == 4 * (75 + 5));
   s.prefetch = 1;
 
-    // Live limit: the engine prefetches less to stay under it (the bound is capped), and only a
+  // Live limit: the engine prefetches less to stay under it (the bound is capped), and only a
   // limit below the largest unit plus the persistent ones, 4·(75 + 5) = 320 elements, is an
   // error at set-up.
   s.max_live_elems = 400;

@@ -99,18 +99,25 @@ inline double inf_norm(const std::vector<double>& g) {
 struct state_bytes {
   std::uint64_t working, grads, master, moments;
 };
+//! As below, with g bytes per gradient element (the gradient type need not be the working type:
+//! bf16 working parameters with fp32 gradients have w = 2, g = 4).
 inline state_bytes facts_bytes(int stage, std::uint64_t psi, std::uint64_t n, std::uint64_t s,
-                               std::uint64_t w, std::uint64_t master, std::uint64_t k) {
+                               std::uint64_t w, std::uint64_t g, std::uint64_t master,
+                               std::uint64_t k) {
   switch (stage) {
     case 0:
-      return {w * psi, w * psi, master * psi, k * psi};
+      return {w * psi, g * psi, master * psi, k * psi};
     case 1:
-      return {w * n * s, w * n * s, master * s, k * s};
+      return {w * n * s, g * n * s, master * s, k * s};
     case 2:
-      return {w * n * s, w * s, master * s, k * s};
+      return {w * n * s, g * s, master * s, k * s};
     default:
-      return {w * s, w * s, master * s, k * s};
+      return {w * s, g * s, master * s, k * s};
   }
+}
+inline state_bytes facts_bytes(int stage, std::uint64_t psi, std::uint64_t n, std::uint64_t s,
+                               std::uint64_t w, std::uint64_t master, std::uint64_t k) {
+  return facts_bytes(stage, psi, n, s, w, w, master, k);
 }
 
 //! Bytes rank r of `ranks` sends in a ring all-reduce of n elements of w bytes (chunks
@@ -133,6 +140,16 @@ inline std::uint64_t facts_step_bytes(int stage, std::uint64_t psi, std::uint64_
     return (2 * psi - chunk(r) - chunk((r + 1) % n)) * w;
   }
   return (stage == 3 ? 3 : 2) * (n - 1) * s * w;
+}
+
+//! docs/accounting.md: bytes a rank sends per step in stages 1-3 (groups sharded over n ranks,
+//! shard S) when gradients and working parameters differ in size: the reduce-scatters carry
+//! g-byte gradients, the all-gathers w-byte working parameters (stage 3 gathers twice). Equals
+//! facts_step_bytes above when g = w.
+inline std::uint64_t facts_step_bytes(int stage, std::uint64_t n, std::uint64_t s, std::uint64_t w,
+                                      std::uint64_t g) {
+  if (n == 1) return 0;
+  return (n - 1) * s * g + (stage == 3 ? 2 : 1) * (n - 1) * s * w;
 }
 
 }  // namespace ref

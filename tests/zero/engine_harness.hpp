@@ -107,10 +107,11 @@ struct run_config {
   int inject_rank = 0;
 };
 
-template <class World, class Policies, class W, class Opt>
+//! Grad: the engine's gradient type (its fifth template argument; default the working type).
+template <class World, class Policies, class W, class Opt, class Grad = W>
 std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
   using Comm = typename World::comm_type;
-  using engine_t = shardkit::engine<Comm, Policies, W, Opt>;
+  using engine_t = shardkit::engine<Comm, Policies, W, Opt, Grad>;
   constexpr int stage = Policies::stage;
   constexpr bool decoupled = std::is_same_v<Opt, shardkit::adamw>;
   return World::run(N, [&](Comm& c) -> outcome {
@@ -180,6 +181,7 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
       largest_padded = std::max(largest_padded, n * ((psi_g + n - 1) / n));
     }
     const std::uint64_t w = sizeof(W);
+    const std::uint64_t gw = sizeof(Grad);  // gradients: reduce-scatters, all-reduces, staging
 
     std::vector<float> g;
     const std::size_t U = eng.num_units();
@@ -281,9 +283,9 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
       check(!rep.skipped, "step ", t, " was skipped without an overflow");
       if (K == 1) {
         const std::uint64_t me = static_cast<std::uint64_t>(c.rank());
-        std::uint64_t want = stage == 0 ? ref::facts_step_bytes(0, psi, nw, S, w, me)
-                                        : ref::facts_step_bytes(stage, psi, n, S, w, me % G) +
-                                              ref::all_reduce_bytes(S, R, me / G, w);
+        std::uint64_t want = stage == 0 ? ref::facts_step_bytes(0, psi, nw, S, gw, me)
+                                        : ref::facts_step_bytes(stage, n, S, w, gw) +
+                                              ref::all_reduce_bytes(S, R, me / G, gw);
         if (stage == 3) {  // persistent and kept units skip one all-gather per step
           for (const auto& us : units) {
             if (us.persistent || us.kept) want -= (n - 1) * us.shard * w;
@@ -294,14 +296,14 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
       }
       // The reference's gradient: per element, the data-parallel mean of what the ranks
       // contributed, with the 16-bit roundings the specification prescribes (local
-      // accumulation in W for stages 0/1, reduce then accumulate for stages 2/3).
+      // accumulation in Grad for stages 0/1, reduce then accumulate for stages 2/3).
       std::vector<double> mean(psi);
       std::size_t flat = 0;
       for (std::size_t i = 0; i < P; ++i) {
         for (std::size_t k = 0; k < mc.sizes[i]; ++k, ++flat) {
           double total = 0;
           // Each shard group (G consecutive ranks; all N without hybrid sharding) reduces in
-          // W, then the R replicas' results are summed and rounded once more.
+          // Grad, then the R replicas' results are summed and rounded once more.
           for (std::uint64_t q = 0; q < R; ++q) {
             const int r0 = static_cast<int>(q * G), r1 = static_cast<int>((q + 1) * G);
             double acc = 0;
@@ -309,21 +311,22 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
               for (int r = r0; r < r1; ++r) {
                 double local = ref::grad_value(t, r, i, k, 0);
                 for (int mb = 1; mb < K; ++mb) {
-                  local = ref::round_to<W>(local + ref::grad_value(t, r, i, k, mb));
+                  local = ref::round_to<Grad>(local + ref::grad_value(t, r, i, k, mb));
                 }
                 acc += local;
               }
-              acc = ref::round_to<W>(acc);
+              acc = ref::round_to<Grad>(acc);
             } else {  // reduce every micro-batch, accumulate in the shard
               for (int mb = 0; mb < K; ++mb) {
                 double s = 0;
                 for (int r = r0; r < r1; ++r) s += ref::grad_value(t, r, i, k, mb);
-                acc = mb == 0 ? ref::round_to<W>(s) : ref::round_to<W>(acc + ref::round_to<W>(s));
+                acc = mb == 0 ? ref::round_to<Grad>(s)
+                              : ref::round_to<Grad>(acc + ref::round_to<Grad>(s));
               }
             }
             total += acc;
           }
-          total = ref::round_to<W>(total);
+          total = ref::round_to<Grad>(total);
           double m = cfg.options.average_grads ? total / N : total;
           if (cfg.declare_micro_batches && cfg.options.average_grads) m /= K;
           mean[flat] = m;
@@ -397,8 +400,8 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
           out.max_err, " (tolerance ", cfg.tolerance, ")");
 
     // Ledger: bytes held equal FACTS.md's formulas with exact padding.
-    const auto want =
-        ref::facts_bytes(stage, psi, n, S, w, engine_t::has_master ? 4 : 0, 4 * Opt::state_count);
+    const auto want = ref::facts_bytes(stage, psi, n, S, w, gw, engine_t::has_master ? 4 : 0,
+                                       4 * Opt::state_count);
     const auto got = eng.measured_state_bytes();
     check(got.working_params == want.working && got.grads == want.grads &&
               got.master_params == want.master && got.optimizer_moments == want.moments,
@@ -424,17 +427,17 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
       check(eng.gathered_bytes_bound() == bound, "engine reports the bound as ",
             eng.gathered_bytes_bound(), ", expected ", bound);
       check(eng.memory().peak(shardkit::memory_category::grad_buckets) ==
-                cfg.options.grad_buffers * largest_padded * w,
+                cfg.options.grad_buffers * largest_padded * gw,
             "staging peaked at ", eng.memory().peak(shardkit::memory_category::grad_buckets));
     }
     if constexpr (stage == 2) {
       const auto& mem = eng.memory();
-      check(mem.peak(shardkit::memory_category::grads) == S * w, "gradient storage peaked at ",
+      check(mem.peak(shardkit::memory_category::grads) == S * gw, "gradient storage peaked at ",
             mem.peak(shardkit::memory_category::grads), " bytes, more than the shard");
       check(mem.peak(shardkit::memory_category::grad_buckets) ==
-                cfg.options.grad_buffers * largest_padded * w,
+                cfg.options.grad_buffers * largest_padded * gw,
             "staging buckets peaked at ", mem.peak(shardkit::memory_category::grad_buckets),
-            " bytes, expected ", cfg.options.grad_buffers, " x ", largest_padded * w);
+            " bytes, expected ", cfg.options.grad_buffers, " x ", largest_padded * gw);
     }
     // The communicator recorded exactly what the engine says it sent (the all_gather above
     // for the master check is outside the engine).

@@ -64,17 +64,28 @@ constexpr const char* name(optimizer_kind o) noexcept {
   return "unknown";
 }
 
-//! Bytes per element for training with `working` parameters and gradients (fp32, bf16 or fp16)
-//! and an optimizer of `states` fp32 states: 16-bit training keeps a 4-byte fp32 master copy,
-//! fp32 training does not (the working copy is the master). Same as engine::precision().
+//! Bytes per element for training with `working` parameters and gradients of their own type
+//! `grad` (each fp32, bf16 or fp16) and an optimizer of `states` fp32 states: 16-bit working
+//! parameters keep a 4-byte fp32 master copy, fp32 ones do not (the working copy is the master),
+//! whatever the gradient type. Same as engine<Comm, Policies, Working, Optimizer, Grad>::
+//! precision(); bf16 working parameters with fp32 gradients are {2, 4, 4, 4·states}.
+constexpr precision precision_of(dtype working, dtype grad, std::uint64_t states) noexcept {
+  return {size_of(working), size_of(grad), working == dtype::f32 ? 0u : 4u, 4 * states};
+}
+
+//! As above, with the optimizer named.
+constexpr precision precision_of(dtype working, dtype grad, optimizer_kind o) noexcept {
+  return precision_of(working, grad, state_count(o));
+}
+
+//! Gradients of the working type (the engine's default).
 constexpr precision precision_of(dtype working, std::uint64_t states) noexcept {
-  const std::uint64_t w = size_of(working);
-  return {w, w, working == dtype::f32 ? 0u : 4u, 4 * states};
+  return precision_of(working, working, states);
 }
 
 //! As above, with the optimizer named.
 constexpr precision precision_of(dtype working, optimizer_kind o) noexcept {
-  return precision_of(working, state_count(o));
+  return precision_of(working, working, state_count(o));
 }
 
 //! How one ZeRO stage is run. Sizes are in elements unless the name says bytes.

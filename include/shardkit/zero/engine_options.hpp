@@ -49,7 +49,8 @@ struct engine_options {
   //! own bound). Prefetching stops short of it; a configuration whose largest unit plus the
   //! persistent units exceeds it is rejected at construction.
   std::size_t max_live_elems = 0;
-  //! ZeRO-2/3: at step(), check with one 16-byte all-reduce that every rank issued the engine's
+  //! ZeRO-2/3: at step(), check with one small all-reduce (24 bytes; shared with the overflow
+  //! count when loss scaling or clipping needs one) that every rank issued the engine's
   //! collectives in the same order (same buckets/units); if not, raise usage_error on every rank
   //! and do not apply the step.
   bool check_schedule = true;

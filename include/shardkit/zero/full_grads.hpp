@@ -69,11 +69,18 @@ class full_grads {
       detail::raise("full_grads: the layout has ", layout.num_params(),
                     " parameters, the registry ", reg.size());
     }
+    if (mode == full_grads_reduction::all_reduce && layout.ranks() != 1) {
+      detail::raise(
+          "full_grads: the all-reduce mode keeps every element on every rank: it needs "
+          "a 1-way layout (flat_layout(numels, starts, 1)), got one of ",
+          layout.ranks(), " shards");
+    }
     if (mode == full_grads_reduction::reduce_scatter &&
         layout.ranks() != static_cast<std::size_t>(comm.size())) {
       detail::raise("full_grads: a reduce-scatter layout of ", layout.ranks(),
                     " shards over a communicator of ", comm.size(), " ranks");
     }
+    pieces_ = layout.pieces(mode == full_grads_reduction::all_reduce ? 0 : shard_index);
     [[maybe_unused]] auto on_stream = ops_.scope();
     grads_ = buffer<Grad, memory_space>(layout.padded_numel(), ledger_, memory_category::grads);
   }
@@ -124,10 +131,13 @@ class full_grads {
   //! Collective over the communicator: the step's reduction (see the file comment).
   void reduce() {
     if (mode_ == full_grads_reduction::all_reduce) {
-      if (comm_->size() > 1 && layout_->numel() != 0) {
+      // The whole buffer: with an aligned layout the groups are padded, and a later group's
+      // elements lie past Ψ (the padding is zero on every rank, so its sum stays zero).
+      const std::size_t n = layout_->padded_numel();
+      if (comm_->size() > 1 && n != 0) {
         ops_.before_collective();
-        comm_->all_reduce(grads_.data(), grads_.data(), layout_->numel(), reduce_op::sum);
-        if (log_) log_->record(*comm_, collective::all_reduce, layout_->numel(), sizeof(Grad), 0);
+        comm_->all_reduce(grads_.data(), grads_.data(), n, reduce_op::sum);
+        if (log_) log_->record(*comm_, collective::all_reduce, n, sizeof(Grad), 0);
       }
       return;
     }
@@ -169,9 +179,15 @@ class full_grads {
   template <class F>
   void for_each_owned(F&& f) const {
     if (mode_ == full_grads_reduction::all_reduce) {
-      const std::size_t n = layout_->numel(), N = static_cast<std::size_t>(comm_->size());
+      // This rank's chunk of the buffer (comm/volume.hpp), true elements only.
+      const std::size_t n = layout_->padded_numel(), N = static_cast<std::size_t>(comm_->size());
       const std::size_t r = static_cast<std::size_t>(comm_->rank());
-      if (n != 0) f(grads_.data() + chunk_begin(n, N, r), chunk_size(n, N, r));
+      const std::size_t lo = chunk_begin(n, N, r), hi = lo + chunk_size(n, N, r);
+      for (const auto& pc : pieces_) {
+        const std::size_t b = std::max(lo, pc.full_offset);
+        const std::size_t e = std::min(hi, pc.full_offset + pc.count);
+        if (b < e) f(grads_.data() + b, e - b);
+      }
       return;
     }
     for (const auto& pc : layout_->pieces(shard_index_))
@@ -202,6 +218,7 @@ class full_grads {
   space_ops<memory_space> ops_;
   buffer<Grad, memory_space> grads_;
   std::vector<unsigned char> seen_;
+  std::vector<flat_layout::piece> pieces_;  // this rank's (all of them in all-reduce mode)
 };
 
 SHARDKIT_NAMESPACE_END

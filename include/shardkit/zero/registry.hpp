@@ -48,6 +48,12 @@ class param_registry {
     }
   }
 
+  //! Parameters of the given sizes without a model_spec: named "param<i>", optimizer group 0,
+  //! shape {size}, units starting at `unit_starts` (empty: one unit).
+  explicit param_registry(std::span<const std::size_t> numels,
+                          std::span<const std::size_t> unit_starts = {})
+      : param_registry(spec_of(numels, unit_starts)) {}
+
   //! Parameters.
   std::size_t size() const noexcept { return names_.size(); }
   const std::string& name(std::size_t i) const { return names_.at(i); }
@@ -105,6 +111,24 @@ class param_registry {
   }
 
  private:
+  static model_spec spec_of(std::span<const std::size_t> numels,
+                            std::span<const std::size_t> unit_starts) {
+    model_spec m;
+    std::size_t next = 0;
+    for (std::size_t i = 0; i < numels.size(); ++i) {
+      if (next < unit_starts.size() && unit_starts[next] == i) {
+        m.begin_unit("unit" + std::to_string(next));
+        ++next;
+      }
+      m.add("param" + std::to_string(i), numels[i]);
+    }
+    if (next < unit_starts.size()) {
+      detail::raise("param_registry: unit start ", unit_starts[next], " is not a parameter index ",
+                    "below ", numels.size(), " in increasing order");
+    }
+    return m;
+  }
+
   std::vector<std::string> names_;
   std::vector<std::size_t> numels_;
   std::vector<std::size_t> groups_;

@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 SHARDKIT_NAMESPACE_BEGIN
@@ -52,6 +53,10 @@ class replicated_params {
     if (layout.ranks() != 1 && layout.ranks() != static_cast<std::size_t>(comm.size())) {
       detail::raise("replicated_params: a layout of ", layout.ranks(),
                     " shards over a communicator of ", comm.size(), " ranks");
+    }
+    if (shard_index >= layout.ranks()) {
+      detail::raise("replicated_params: shard index ", shard_index, " of a layout of ",
+                    layout.ranks(), " shards (expected 0 to ", layout.ranks() - 1, ")");
     }
     [[maybe_unused]] auto on_stream = ops_.scope();
     params_ = buffer<Working, memory_space>(layout.padded_numel(), ledger_,

@@ -102,6 +102,7 @@ class shard_grads {
         if (layout.param(i).numel != 0) ++groups_[g].expected;
       }
     }
+    pieces_ = layout.pieces(shard_index);
     [[maybe_unused]] auto on_stream = ops_.scope();
     shard_ = buffer<Grad, memory_space>(layout.shard_numel(), ledger_, memory_category::grads);
     slots_.resize(opts.grad_buffers);
@@ -169,7 +170,7 @@ class shard_grads {
       detail::raise<usage_error>(who, ": ", label(g),
                                  " finished its backward without the gradients of ", missing,
                                  listed == 8 ? ", ..." : "",
-                                 " (hand every gradient to grad_ready() before post_backward, or "
+                                 " (hand every gradient of it over before its backward ends, or "
                                  "set allow_missing_grads)");
     }
     if (b.slot < 0) open(g, layout_->group(g).first_param, who);
@@ -205,12 +206,14 @@ class shard_grads {
     }
     if (!missing.empty()) {
       detail::raise<usage_error>(who,
-                                 " needs every parameter's gradient through grad_ready() "
-                                 "before step(); missing: ",
+                                 " needs the gradient of every parameter before the step "
+                                 "(grad_ready, or shard_grads::add); missing: ",
                                  missing, listed == 8 ? ", ..." : "",
                                  " (set allow_missing_grads to treat them as zero)");
     }
-    for (auto& sl : slots_) complete(sl);
+    // In issue order: later micro-batches add into the shard after the earlier ones, whatever
+    // staging buffer they went through (16-bit sums depend on the order).
+    while (!inflight_.empty()) complete(slots_[inflight_.front()]);
   }
 
   //! Hybrid sharding: all-reduces the shard across the replicas (collective over `replicas`).
@@ -401,7 +404,8 @@ class shard_grads {
   std::vector<group_state> groups_;
   buffer<Grad, memory_space> shard_;
   std::vector<slot> slots_;
-  std::vector<std::size_t> inflight_;
+  std::vector<std::size_t> inflight_;       // slots with a reduce-scatter, in issue order
+  std::vector<flat_layout::piece> pieces_;  // this rank's
 };
 
 SHARDKIT_NAMESPACE_END

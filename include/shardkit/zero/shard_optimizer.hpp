@@ -204,12 +204,12 @@ class shard_optimizer {
   //! Prepares the step for these buffers (step() does it when they change; a device plan is a
   //! table built once).
   void bind(flat_span<const Grad, Space> grads, flat_span<Working, Space> working) {
+    grads.check(*layout_, "shard_optimizer::step", "gradient");
+    working.check(*layout_, "shard_optimizer::step", "working-parameter");
     if (plan_ && grads.data == bound_grads_.data && grads.coords == bound_grads_.coords &&
         working.data == bound_working_.data && working.coords == bound_working_.coords) {
       return;
     }
-    grads.check(*layout_, "shard_optimizer::step", "gradient");
-    working.check(*layout_, "shard_optimizer::step", "working-parameter");
     std::vector<step_run<Opt, Grad, Working>> table;
     table.reserve(runs_.size());
     for (const auto& ru : runs_) {

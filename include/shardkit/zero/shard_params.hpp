@@ -52,6 +52,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 SHARDKIT_NAMESPACE_BEGIN
@@ -224,7 +225,7 @@ class shard_params {
       if (x.st == state::forward || x.st == state::backward) {
         const char* phase = x.st == state::forward ? "forward" : "backward";
         detail::raise<usage_error>(who, ": unit '", reg_->unit_name(u), "' is still in its ", phase,
-                                   " (call post_", phase, "(", u, ") before step())");
+                                   " (call post_", phase, "(", u, ") before the step)");
       }
     }
   }

@@ -239,9 +239,8 @@ class step_control {
 
   void validate() const {
     if (!(opts_.clip_grad_norm >= 0.0f) || !std::isfinite(opts_.clip_grad_norm)) {
-      detail::raise(
-          "engine: engine_options::clip_grad_norm must be finite and >= 0 (0 = off), got ",
-          opts_.clip_grad_norm);
+      detail::raise("step_control: clip_grad_norm must be finite and >= 0 (0 = off), got ",
+                    opts_.clip_grad_norm);
     }
     if (opts_.loss_scale) {
       const auto& l = *opts_.loss_scale;
@@ -249,7 +248,7 @@ class step_control {
           !(l.growth_factor >= 1.0f) || !(l.backoff_factor > 0.0f && l.backoff_factor < 1.0f) ||
           l.growth_interval == 0) {
         detail::raise(
-            "engine: loss_scale_options need 0 < min_scale <= init_scale (finite), "
+            "step_control: loss_scale_options need 0 < min_scale <= init_scale (finite), "
             "growth_factor >= 1, 0 < backoff_factor < 1 and growth_interval >= 1; got init ",
             l.init_scale, ", min ", l.min_scale, ", growth ", l.growth_factor, " every ",
             l.growth_interval, ", backoff ", l.backoff_factor);

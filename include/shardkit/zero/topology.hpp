@@ -52,11 +52,14 @@ class topology {
 
   topology(const topology&) = delete;
   topology& operator=(const topology&) = delete;
+  topology(topology&&) noexcept = default;
+  topology& operator=(topology&&) noexcept = default;
 
   //! All ranks.
   Comm& world() noexcept { return *world_; }
   const Comm& world() const noexcept { return *world_; }
-  //! The ranks this rank shards with (the world without hybrid sharding).
+  //! The ranks this rank shards with: the shard group's communicator under hybrid sharding, the
+  //! world otherwise (shard_comm() is the same but null without hybrid sharding).
   Comm& shard_group() noexcept { return shard_ ? *shard_ : *world_; }
   const Comm& shard_group() const noexcept { return shard_ ? *shard_ : *world_; }
   //! The ranks holding the same shard as this one (nullptr without hybrid sharding).
