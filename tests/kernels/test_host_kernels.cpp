@@ -20,7 +20,8 @@
 using namespace shardkit;
 
 namespace {
-// Runs f() once in every build of the host loops this CPU runs.
+// Runs f() once in every build of the host loops this CPU runs. Sections inside f name the
+// build (DYNAMIC_SECTION): a plain SECTION met again in a loop would run in the first build only.
 template <class F>
 void in_every_build(F&& f) {
   for (host::isa i : host::available_isas()) {
@@ -67,7 +68,8 @@ TEST_CASE("host kernels report their build", "[kernels]") {
 
 TEST_CASE("vector 16-bit conversions are bit-identical to the scalar ones", "[kernels][convert]") {
   in_every_build([] {
-    SECTION("every bf16 and fp16 pattern widens identically") {
+    DYNAMIC_SECTION("every bf16 and fp16 pattern widens identically"
+                    << " (" << host::name(host::active_isa()) << " build)") {
       std::vector<bf16> b(65536);
       std::vector<fp16> h(65536);
       for (std::uint32_t i = 0; i < 65536; ++i) {
@@ -84,7 +86,9 @@ TEST_CASE("vector 16-bit conversions are bit-identical to the scalar ones", "[ke
                 std::bit_cast<std::uint32_t>(fp16_bits_to_float(static_cast<std::uint16_t>(i))));
       }
     }
-    SECTION("random floats (including NaN payloads, infinities, subnormals) narrow identically") {
+    DYNAMIC_SECTION(
+        "random floats (including NaN payloads, infinities, subnormals) narrow identically"
+        << " (" << host::name(host::active_isa()) << " build)") {
       std::uint64_t s = 7;
       std::vector<float> f(1 << 20);
       for (auto& x : f) x = std::bit_cast<float>(static_cast<std::uint32_t>(splitmix(s)));
@@ -100,7 +104,8 @@ TEST_CASE("vector 16-bit conversions are bit-identical to the scalar ones", "[ke
         REQUIRE(h[i].bits == float_to_fp16_bits(f[i]));
       }
     }
-    SECTION("every length, so every tail, converts correctly") {
+    DYNAMIC_SECTION("every length, so every tail, converts correctly"
+                    << " (" << host::name(host::active_isa()) << " build)") {
       std::uint64_t s = 3;
       for (std::size_t n = 0; n < 3 * L + 2; ++n) {
         std::vector<float> f(n);
@@ -115,7 +120,8 @@ TEST_CASE("vector 16-bit conversions are bit-identical to the scalar ones", "[ke
         REQUIRE(h[n].bits == 0xabcd);
       }
     }
-    SECTION("bf16 <-> fp16 go through fp32 exactly") {
+    DYNAMIC_SECTION("bf16 <-> fp16 go through fp32 exactly"
+                    << " (" << host::name(host::active_isa()) << " build)") {
       std::vector<fp16> h(65536);
       for (std::uint32_t i = 0; i < 65536; ++i)
         h[i] = fp16::from_bits(static_cast<std::uint16_t>(i));
