@@ -439,6 +439,20 @@ def peers(paths, out, plt, targets):
                 else:
                     cells.append("–")
             md.append(f"| {fmt_size(n)} | {t} | " + " | ".join(cells) + " |")
+    # One thread: the same ratios from the CPU time of the calling thread, which a loaded
+    # machine does not inflate (every contender runs the whole step on that thread).
+    cpu_rows = []
+    for n in sizes:
+        cells = []
+        for a, b, _, _ in PEER_TARGETS:
+            ra, rb = by.get((n, 1, a)), by.get((n, 1, b))
+            if ra and rb and ra.get("cpu_seconds") and rb.get("cpu_seconds"):
+                cells.append(ratio(rb["cpu_seconds"] / ra["cpu_seconds"]))
+            else:
+                cells.append("–")
+        if any(c != "–" for c in cells):
+            cpu_rows.append(f"| {fmt_size(n)} | 1 (CPU time) | " + " | ".join(cells) + " |")
+    md += cpu_rows
     for i, (a, b, floor, label) in enumerate(PEER_TARGETS):
         xs = got[i]
         if xs:
