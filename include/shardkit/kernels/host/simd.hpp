@@ -320,6 +320,18 @@ template <int W>
 SHARDKIT_DETAIL_SIMD_FN bool any(vu<W> m) {
   if constexpr (W == 1) {
     return m.v != 0;
+#if !defined(SHARDKIT_HOST_SCALAR_SIMD)  // (nvcc's front end need not parse these)
+  } else if constexpr (W == 16) {        // fold the halves in registers rather than through memory
+    using H = typename vu<W / 2>::U;     // dependent: the one-lane build has no 8-lane type
+    const H lo = __builtin_shufflevector(m.v, m.v, 0, 1, 2, 3, 4, 5, 6, 7);
+    const H hi = __builtin_shufflevector(m.v, m.v, 8, 9, 10, 11, 12, 13, 14, 15);
+    return any(vu<W / 2>{lo | hi});
+  } else if constexpr (W == 8) {
+    using H = typename vu<W / 2>::U;
+    const H lo = __builtin_shufflevector(m.v, m.v, 0, 1, 2, 3);
+    const H hi = __builtin_shufflevector(m.v, m.v, 4, 5, 6, 7);
+    return any(vu<W / 2>{lo | hi});
+#endif
   } else {
     std::uint64_t q[W / 2];
     std::memcpy(q, &m.v, sizeof q);
