@@ -15,6 +15,16 @@
 //                                       reduce-scatter:  read B, write B/N = a memcpy of
 //                                                        (B + B/N) / 2
 //
+//  collectives/latency_<op>/ranks:N/bytes:4096
+//                                     small-message latency: each iteration, every rank issues
+//                                     `ops` 4 KiB collectives back to back (items_per_second:
+//                                     collectives per second)
+//  collectives/latency_spin_barrier/ranks:N
+//                                     baseline: the same number of passes of N threads through
+//                                     a spin barrier (bench::spin_barrier: pause/yield, then
+//                                     futex) in the same binary; the ratio of the two is what a
+//                                     small collective costs beyond synchronising N threads
+//
 // Counters: algbw = B / time and busbw = algbw x factor (2(N-1)/N for all-reduce, (N-1)/N for
 // reduce-scatter and all-gather), both in bytes/s, as nccl-tests defines them (FACTS.md). Each
 // iteration starts the N rank threads together and waits for all of them (the time is rank 0's
@@ -24,6 +34,7 @@
 #include "common.hpp"
 
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -135,11 +146,70 @@ void bm_bound(benchmark::State& state, op o, int n, std::size_t bytes) {
   state.counters["bytes"] = static_cast<double>(bytes);
 }
 
+constexpr int latency_ops = 256;
+
+void bm_latency(benchmark::State& state, op o, int n) {
+  constexpr std::size_t bytes = 4096;
+  buffers& buf = the_buffers();
+  buf.ensure(n, bytes);
+  auto group =
+      std::make_shared<shardkit::detail::thread_group_state>(n, shardkit::thread_comm_options{});
+  std::vector<shardkit::thread_comm> comms;
+  for (int r = 0; r < n; ++r) comms.emplace_back(group, r);
+  const std::size_t elems = bytes / sizeof(float);
+  bench::team team(n);
+  const std::function<void(int)> job = [&](int r) {
+    auto& c = comms[static_cast<std::size_t>(r)];
+    float* in = buf.in[static_cast<std::size_t>(r)].data();
+    float* out = buf.out[static_cast<std::size_t>(r)].data();
+    for (int k = 0; k < latency_ops; ++k) {
+      switch (o) {
+        case op::all_reduce:
+          c.all_reduce(in, out, elems, shardkit::reduce_op::sum);
+          break;
+        case op::reduce_scatter:
+          c.reduce_scatter(in, out, elems / static_cast<std::size_t>(n), shardkit::reduce_op::sum);
+          break;
+        case op::all_gather:
+          c.all_gather(in, out, elems / static_cast<std::size_t>(n));
+          break;
+      }
+    }
+  };
+  for (auto _ : state) team.run(job);
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()) * latency_ops);
+  state.counters["ranks"] = n;
+  state.counters["size"] = static_cast<double>(bytes);
+}
+
+void bm_spin_barrier(benchmark::State& state, int n) {
+  bench::spin_barrier barrier(n);
+  bench::team team(n);
+  const std::function<void(int)> job = [&](int) {
+    for (int k = 0; k < latency_ops; ++k) barrier.arrive_and_wait();
+  };
+  for (auto _ : state) team.run(job);
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()) * latency_ops);
+  state.counters["ranks"] = n;
+}
+
 void register_all(bench::size_set s) {
   const auto sizes = s == bench::size_set::tiny    ? std::vector<std::size_t>{4 << 10}
                      : s == bench::size_set::quick ? bench::geometric(4 << 10, 16 << 20, 16)
                                                    : bench::geometric(4 << 10, 256 << 20, 4);
   for (int n : {2, 4}) {
+    const std::string r = "/ranks:" + std::to_string(n);
+    for (op o : {op::all_reduce, op::reduce_scatter, op::all_gather}) {
+      benchmark::RegisterBenchmark(
+          ("collectives/latency_" + std::string(name_of(o)) + r + "/bytes:4096").c_str(),
+          bm_latency, o, n)
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond);
+    }
+    benchmark::RegisterBenchmark(("collectives/latency_spin_barrier" + r).c_str(), bm_spin_barrier,
+                                 n)
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
     for (std::size_t b : sizes) {
       for (op o : {op::all_reduce, op::reduce_scatter, op::all_gather}) {
         const std::string tail = "/ranks:" + std::to_string(n) + "/bytes:" + std::to_string(b);

@@ -10,19 +10,35 @@
 //  optimizer/memcpy       baseline: memcpy of 14 bytes/element (28 bytes of traffic)
 //  optimizer/naive_adam   baseline: the multi-pass scalar loop a user writes without shardkit
 //                         (unscale, m, v, parameter, working copy: five passes)
+//  optimizer/torch_adamw_fp32
+//                         peer (when LibTorch was found): LibTorch's C++ torch::optim::AdamW on
+//                         one fp32 parameter of n elements, torch::set_num_threads(threads)
+//  optimizer/isa_adamw_bf16/isa:<build>, isa_adamw_fp32, isa_rmw
+//                         the same step and roofline in every build of the host loops this CPU
+//                         runs (kernels/host/isa.hpp), one size, one thread
 //
 // bytes_per_second counts 28 bytes per element for every run, so ratios of bandwidths are
-// inverse ratios of times. Each size runs on 1 and 2 threads (a persistent team splits the
-// elements; the time includes the start and join of the team).
+// inverse ratios of times. Each size runs on 1 and 2 threads: a persistent host::thread_team
+// runs every variant (shardkit's through host::parallel_fused_step, the baselines one piece per
+// thread); the time includes the start and join of the team.
+#include <shardkit/kernels/host/isa.hpp>
 #include <shardkit/kernels/host/optimizer.hpp>
+#include <shardkit/kernels/host/parallel.hpp>
 #include <shardkit/kernels/host/simd.hpp>
 #include <shardkit/kernels/math.hpp>
 
 #include "common.hpp"
 
+#if defined(SHARDKIT_BENCH_LIBTORCH)
+#include <torch/torch.h>
+#endif
+
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <optional>
 #include <string>
 
 namespace {
@@ -81,19 +97,20 @@ const shardkit::adamw::constants& constants() {
 // The roofline: the same bytes as the fused step, one add per array, through the same
 // dispatch (so it runs as wide as the fused step does).
 struct rmw_kernel {
+  template <class Isa>
   SHARDKIT_FORCEINLINE static void run(const shardkit::bf16* g, float* p, float* m, float* v,
                                        shardkit::bf16* out, std::size_t n) {
     namespace simd = shardkit::simd;
-    constexpr std::size_t L = simd::width;
+    constexpr std::size_t L = Isa::width;
     std::size_t i = 0;
     for (; i + L <= n; i += L) {
-      const simd::vfloat gv = simd::load(g + i);
-      const simd::vfloat pv = simd::load(p + i) + gv;
-      simd::store(p + i, pv);
-      simd::store(m + i, simd::load(m + i) + gv);
-      simd::store(v + i, simd::load(v + i) + gv);
-      const simd::vu32 h = simd::as_bits(pv) >> 16;  // truncation: no rounding work
-      h.copy_to(reinterpret_cast<std::uint16_t*>(out + i), simd::stdx::element_aligned);
+      const auto gv = simd::load<Isa>(g + i);
+      const auto pv = simd::load<Isa>(p + i) + gv;
+      simd::store<Isa>(p + i, pv);
+      simd::store<Isa>(m + i, simd::load<Isa>(m + i) + gv);
+      simd::store<Isa>(v + i, simd::load<Isa>(v + i) + gv);
+      // truncation to bf16: no rounding work
+      simd::impl::store_h<Isa::width>(out + i, simd::impl::narrow(simd::bits(pv) >> 16));
     }
     for (; i < n; ++i) {
       const float gi = static_cast<float>(g[i]);
@@ -121,7 +138,7 @@ struct rmw_kernel {
   for (std::size_t i = 0; i < n; ++i) out[i] = shardkit::bf16(p[i]);
 }
 
-enum class variant { adamw_bf16, adamw_fp32, rmw, memcpy, naive_adam };
+enum class variant { adamw_bf16, adamw_fp32, rmw, memcpy, naive_adam, torch_adamw_fp32 };
 
 const char* name_of(variant v) {
   switch (v) {
@@ -135,8 +152,18 @@ const char* name_of(variant v) {
       return "memcpy";
     case variant::naive_adam:
       return "naive_adam";
+    case variant::torch_adamw_fp32:
+      return "torch_adamw_fp32";
   }
   return "?";
+}
+
+//! One persistent team per thread count, shared by every benchmark of that count.
+shardkit::host::executor* team_of(int threads) {
+  static std::map<int, std::unique_ptr<shardkit::host::thread_team>> teams;
+  auto& t = teams[threads];
+  if (!t) t = std::make_unique<shardkit::host::thread_team>(static_cast<std::size_t>(threads));
+  return t.get();
 }
 
 void run_part(variant which, arena& a, std::size_t b, std::size_t e) {
@@ -144,17 +171,6 @@ void run_part(variant which, arena& a, std::size_t b, std::size_t e) {
   if (len == 0) return;
   const auto& k = constants();
   switch (which) {
-    case variant::adamw_bf16: {
-      float* st[2] = {a.m + b, a.v + b};
-      shardkit::host::fused_step<shardkit::adamw>(k, a.p + b, st, a.g16 + b, a.out + b, len);
-      break;
-    }
-    case variant::adamw_fp32: {
-      float* st[2] = {a.m + b, a.v + b};
-      shardkit::host::fused_step<shardkit::adamw, float, float>(k, a.p + b, st, a.g32 + b,
-                                                                static_cast<float*>(nullptr), len);
-      break;
-    }
     case variant::rmw:
       shardkit::dispatch<rmw_kernel>(static_cast<const shardkit::bf16*>(a.g16 + b), a.p + b,
                                      a.m + b, a.v + b, a.out + b, len);
@@ -165,19 +181,34 @@ void run_part(variant which, arena& a, std::size_t b, std::size_t e) {
     case variant::naive_adam:
       naive_adam(k, a.g16 + b, a.p + b, a.m + b, a.v + b, a.tmp + b, a.out + b, len);
       break;
+    default:
+      break;
+  }
+}
+
+void run(variant which, arena& a, std::size_t n, shardkit::host::executor* team) {
+  const auto& k = constants();
+  float* st[2] = {a.m, a.v};
+  switch (which) {
+    case variant::adamw_bf16:
+      shardkit::host::parallel_fused_step<shardkit::adamw>(team, k, a.p, st, a.g16, a.out, n);
+      break;
+    case variant::adamw_fp32:
+      shardkit::host::parallel_fused_step<shardkit::adamw, float, float>(
+          team, k, a.p, st, a.g32, static_cast<float*>(nullptr), n);
+      break;
+    default:  // one piece per thread
+      shardkit::host::parallel_for(team, n, 1,
+                                   [&](std::size_t b, std::size_t e) { run_part(which, a, b, e); });
   }
 }
 
 void bm_step(benchmark::State& state, variant which, std::size_t n, int threads) {
   arena& a = the_arena();
   a.resize(n);
-  bench::team team(threads);
-  const std::function<void(int)> job = [&](int t) {
-    const auto [b, e] = bench::part(n, t, threads);
-    run_part(which, a, b, e);
-  };
+  shardkit::host::executor* team = team_of(threads);
   for (auto _ : state) {
-    team.run(job);
+    run(which, a, n, team);
     benchmark::ClobberMemory();
   }
   bench::set_bytes(state, bytes_per_element * static_cast<double>(n));
@@ -185,21 +216,70 @@ void bm_step(benchmark::State& state, variant which, std::size_t n, int threads)
   state.counters["threads"] = threads;
 }
 
+#if defined(SHARDKIT_BENCH_LIBTORCH)
+// LibTorch's torch::optim::AdamW (C++ API) on one fp32 parameter over the arena's p, with the
+// arena's fp32 gradient; torch keeps its own moments.
+void bm_torch(benchmark::State& state, std::size_t n, int threads) {
+  arena& a = the_arena();
+  a.resize(n);
+  torch::set_num_threads(threads);
+  const auto n64 = static_cast<std::int64_t>(n);
+  torch::Tensor prm = torch::from_blob(a.p, {n64}, torch::kFloat32).detach().requires_grad_(true);
+  prm.mutable_grad() = torch::from_blob(a.g32, {n64}, torch::kFloat32);
+  torch::optim::AdamW opt(std::vector<torch::Tensor>{prm},
+                          torch::optim::AdamWOptions(1e-4).weight_decay(0.01));
+  opt.step();  // allocates the moments
+  for (auto _ : state) {
+    opt.step();
+    benchmark::ClobberMemory();
+  }
+  bench::set_bytes(state, bytes_per_element * static_cast<double>(n));
+  state.counters["elements"] = static_cast<double>(n);
+  state.counters["threads"] = threads;
+}
+#endif
+
+// One variant in one build of the host loops.
+void bm_isa(benchmark::State& state, variant which, shardkit::host::isa isa, std::size_t n) {
+  shardkit::host::scoped_isa forced(isa);
+  bm_step(state, which, n, 1);
+}
+
 void register_all(bench::size_set s) {
   benchmark::AddCustomContext("shardkit_host_isa", shardkit::host_isa());
+  std::string isas;
+  for (auto i : shardkit::host::available_isas()) {
+    isas += std::string(isas.empty() ? "" : ",") + shardkit::host::name(i);
+  }
+  benchmark::AddCustomContext("shardkit_host_isas", isas);
   const auto sizes = s == bench::size_set::tiny    ? std::vector<std::size_t>{1 << 12}
                      : s == bench::size_set::quick ? bench::geometric(1 << 20, 16 << 20, 4)
                                                    : bench::geometric(1 << 20, 256 << 20, 4);
+  auto reg = [](const std::string& name, auto fn, auto... args) {
+    benchmark::RegisterBenchmark(name.c_str(), fn, args...)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  };
   for (std::size_t n : sizes) {
     for (int threads : {1, 2}) {
+      const std::string tail = "/n:" + std::to_string(n) + "/threads:" + std::to_string(threads);
       for (variant v : {variant::adamw_bf16, variant::adamw_fp32, variant::rmw, variant::memcpy,
                         variant::naive_adam}) {
-        const std::string name = std::string("optimizer/") + name_of(v) +
-                                 "/n:" + std::to_string(n) + "/threads:" + std::to_string(threads);
-        benchmark::RegisterBenchmark(name.c_str(), bm_step, v, n, threads)
-            ->UseRealTime()
-            ->Unit(benchmark::kMillisecond);
+        reg(std::string("optimizer/") + name_of(v) + tail, bm_step, v, n, threads);
       }
+#if defined(SHARDKIT_BENCH_LIBTORCH)
+      reg(std::string("optimizer/torch_adamw_fp32") + tail, bm_torch, n, threads);
+#endif
+    }
+  }
+  const std::size_t isa_n = s == bench::size_set::tiny    ? (1 << 12)
+                            : s == bench::size_set::quick ? (4 << 20)
+                                                          : (16 << 20);
+  for (auto i : shardkit::host::available_isas()) {
+    for (variant v : {variant::adamw_bf16, variant::adamw_fp32, variant::rmw}) {
+      reg(std::string("optimizer/isa_") + name_of(v) + "/isa:" + shardkit::host::name(i) +
+              "/n:" + std::to_string(isa_n) + "/threads:1",
+          bm_isa, v, i, isa_n);
     }
   }
 }

@@ -98,8 +98,12 @@ def plt_or_none():
 # ---- optimizer ------------------------------------------------------------------------------
 def optimizer(rows, out, plt, targets):
     by = {}
+    isa = {}
     for name, r in rows.items():
         _, what, k = parse(name)
+        if what.startswith("isa_"):
+            isa[(k["isa"], what[4:])] = r
+            continue
         by[(int(k["n"]), int(k["threads"]), what)] = r
     sizes = sorted({k[0] for k in by})
     threads = sorted({k[1] for k in by})
@@ -134,19 +138,51 @@ def optimizer(rows, out, plt, targets):
                 if not xs:
                     continue
                 med = statistics.median(xs)
-                targets.append((f"Fused AdamW ({label}, {t} thread{'s' if t > 1 else ''}) ≥ 0.75× "
-                                "the read-modify-write roofline",
+                # issue 16: the mixed-precision step ≥ 0.90× on one thread; the rest ≥ 0.75×
+                floor = 0.90 if (col == 2 and t == 1) else 0.75
+                targets.append((f"Fused AdamW ({label}, {t} thread{'s' if t > 1 else ''}) ≥ "
+                                f"{floor:.2f}× the read-modify-write roofline",
                                 f"{min(xs):.2f}–{max(xs):.2f}× (median {med:.2f}×) over sizes "
-                                f"≥ {fmt_size(big[0][0])} elements", med >= 0.75))
+                                f"≥ {fmt_size(big[0][0])} elements", med >= floor))
         ns = [x[2] for x in naive]
         targets.append(("Fused AdamW ≥ 2.5× the naive scalar loop",
                         f"{min(ns):.1f}–{max(ns):.1f}× (median {statistics.median(ns):.1f}×)",
                         statistics.median(ns) >= 2.5))
+    lt = []
+    for n in sizes:
+        for t in threads:
+            a, b = by.get((n, t, "adamw_fp32")), by.get((n, t, "torch_adamw_fp32"))
+            if a and b:
+                lt.append((n, t, b["t"] / a["t"], b["bytes_per_second"]))
+    if lt:
+        md += ["", "LibTorch's C++ `torch::optim::AdamW` (fp32, one parameter tensor, "
+               "`torch::set_num_threads`) in the same binary, against shardkit's fp32 step:", "",
+               "| elements | threads | LibTorch GB/s | shardkit fp32 / LibTorch (speed) |",
+               "|---:|---:|---:|---:|"]
+        for n, t, q, bw in lt:
+            md.append(f"| {fmt_size(n)} | {t} | {gbs(bw)} | {ratio(q)} |")
+    if isa:
+        names = sorted({k[0] for k in isa}, key=lambda x: ["baseline", "avx2", "avx512",
+                                                           "avx512bf16"].index(x)
+                       if x in ("baseline", "avx2", "avx512", "avx512bf16") else 9)
+        n0 = int(next(iter(isa.values()))["elements"])
+        md += ["", f"Every build of the host loops on this CPU ({fmt_size(n0)} elements, 1 "
+               "thread; GB/s at 28 bytes/element; ratio = the build's roofline time / its "
+               "step time):", "",
+               "| build | fused bf16 | fused fp32 | rmw (roofline) | bf16 / roofline | "
+               "fp32 / roofline |", "|---|---:|---:|---:|---:|---:|"]
+        for i in names:
+            b, f, r = isa.get((i, "adamw_bf16")), isa.get((i, "adamw_fp32")), isa.get((i, "rmw"))
+            if not (b and f and r):
+                continue
+            md.append(f"| {i} | {gbs(b['bytes_per_second'])} | {gbs(f['bytes_per_second'])} | "
+                      f"{gbs(r['bytes_per_second'])} | {ratio(r['t'] / b['t'])} | "
+                      f"{ratio(r['t'] / f['t'])} |")
     if plt and sizes:
         fig, axes = plt.subplots(1, len(threads), figsize=(6 * len(threads), 4.2), squeeze=False)
         for ax, t in zip(axes[0], threads):
             for w, style in (("adamw_bf16", "o-"), ("adamw_fp32", "s-"), ("rmw", "k--"),
-                             ("memcpy", "k:"), ("naive_adam", "x-")):
+                             ("memcpy", "k:"), ("naive_adam", "x-"), ("torch_adamw_fp32", "d-")):
                 xs = [n for n in sizes if (n, t, w) in by]
                 ax.plot(xs, [by[(n, t, w)]["bytes_per_second"] / 1e9 for n in xs], style,
                         label=w + (" (roofline)" if w == "rmw" else ""))
@@ -184,16 +220,22 @@ def convert(rows, out, plt, targets):
             r = ops[op][n]
             m = memcpy.get(int(r["bytes"]))
             q = m["t"] / r["t"] if m else None
-            if op.startswith("flatten") and q is not None:
+            if (op.startswith("flatten") or "f16" in op) and q is not None:
                 flat.setdefault(op, []).append(q)
             md.append(f"| {op} | {int(r['elements'])} | {fmt_bytes(r['bytes'])} | "
                       f"{gbs(r['bytes_per_second'])} | "
                       f"{gbs(m['bytes_per_second']) if m else '–'} | {ratio(q)} |")
     for op, qs in sorted(flat.items()):
-        what = "bf16 → bf16" if op == "flatten_bf16" else "fp32 → bf16, with the cast"
-        targets.append((f"Flatten/pad ({what}) ≥ 0.8× memcpy",
+        # issue 16: the fp32 -> bf16 flatten and the fp16 casts ≥ 0.9× memcpy
+        if op == "flatten_bf16":
+            what, floor = "Flatten/pad (bf16 → bf16)", 0.8
+        elif op == "flatten_f32_bf16":
+            what, floor = "Flatten/pad (fp32 → bf16, with the cast)", 0.9
+        else:
+            what, floor = f"Cast {op[5:].replace('_', ' → ')}", 0.9
+        targets.append((f"{what} ≥ {floor}× memcpy",
                         f"{min(qs):.2f}–{max(qs):.2f}× (median {statistics.median(qs):.2f}×) "
-                        "over all sizes", statistics.median(qs) >= 0.8))
+                        "over all sizes", statistics.median(qs) >= floor))
     if plt and ops:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for op in sorted(ops):
@@ -218,8 +260,12 @@ def convert(rows, out, plt, targets):
 # ---- collectives ----------------------------------------------------------------------------
 def collectives(rows, out, plt, targets):
     by = {}
+    lat = {}
     for name, r in rows.items():
         _, what, k = parse(name)
+        if what.startswith("latency_"):
+            lat[(what[8:], int(k["ranks"]))] = r
+            continue
         by[(what, int(k["ranks"]), int(k["bytes"]))] = r
     ops = ["all_reduce", "reduce_scatter", "all_gather"]
     ranks = sorted({k[1] for k in by})
@@ -248,10 +294,32 @@ def collectives(rows, out, plt, targets):
         md.append("")
     for o in ops:
         if big[o]:
-            targets.append((f"Thread {o} ≤ 1.3× the memcpy lower bound (≥ 1 MB)",
+            lim = 1.2 if o == "all_reduce" else 1.3  # issue 16: the one-pass all-reduce ≤ 1.2×
+            targets.append((f"Thread {o} ≤ {lim}× the memcpy lower bound (≥ 1 MB)",
                             f"{min(big[o]):.2f}–{max(big[o]):.2f}× (median "
                             f"{statistics.median(big[o]):.2f}×)",
-                            statistics.median(big[o]) <= 1.3))
+                            statistics.median(big[o]) <= lim))
+    if lat:
+        md += ["Small collectives: time per 4 KiB collective (µs, each rank issuing 256 back to "
+               "back) against N threads passing a spin barrier (bench::spin_barrier) as often, "
+               "same binary:", "",
+               "| ranks | spin barrier (µs) | " + " | ".join(f"{o} (µs) | ratio" for o in ops) +
+               " |", "|---:|---:|" + "---:|---:|" * len(ops)]
+        for n in sorted({k[1] for k in lat}):
+            b = lat.get(("spin_barrier", n))
+            if not b:
+                continue
+            tb = 1.0 / b["items_per_second"]
+            cells = []
+            for o in ops:
+                r = lat.get((o, n))
+                if r:
+                    t = 1.0 / r["items_per_second"]
+                    cells += [f"{t * 1e6:.2f}", ratio(t / tb)]
+                else:
+                    cells += ["–", "–"]
+            md.append(f"| {n} | {tb * 1e6:.2f} | " + " | ".join(cells) + " |")
+        md.append("")
     if plt and by:
         fig, axes = plt.subplots(1, len(ranks), figsize=(6 * len(ranks), 4.2), squeeze=False)
         for ax, n in zip(axes[0], ranks):
@@ -315,6 +383,105 @@ def engine(rows, out, plt, targets):
     return md
 
 
+# ---- peers: torch and DeepSpeed in the same process (benchmarks/peers.py) --------------------
+PEER_TARGETS = (  # (ours, theirs, floor, label)
+    ("shardkit_fp32", "deepspeed_fp32", 1.05, "fp32 AdamW step ≥ 1.05× DeepSpeed's CPU Adam"),
+    ("shardkit_fp32", "torch_fused", 1.05, "fp32 AdamW step ≥ 1.05× torch's fused AdamW"),
+    ("shardkit_fp32", "torch_forloop", 4.0, "fp32 AdamW step ≥ 4× torch's for-loop AdamW"),
+    ("shardkit_bf16", "deepspeed_fp32_copy", 1.0,
+     "mixed-precision step ≥ 1.0× DeepSpeed's CPU Adam with the 16-bit copy"),
+)
+
+
+def peers(paths, out, plt, targets):
+    res, meta = [], {}
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        meta = meta or d.get("meta", {})
+        res += d.get("results", [])
+    if not res:
+        return []
+    by = {(r["n"], r["threads"], r["name"]): r for r in res}
+    sizes = sorted({r["n"] for r in res})
+    threads = sorted({r["threads"] for r in res})
+    names = []
+    for r in res:
+        if r["name"] not in names:
+            names.append(r["name"])
+    md = ["### Peers: torch and DeepSpeed, same process", "",
+          f"`scripts/bench --peers`: torch {meta.get('torch')}, DeepSpeed "
+          f"{meta.get('deepspeed')}, shardkit's {meta.get('shardkit_isa')} build; one Python "
+          "process per thread count (`torch.set_num_threads`, `OMP_NUM_THREADS`), tensors "
+          "allocated by torch, contenders interleaved; median over "
+          f"{meta.get('reps')} repetitions of each repetition's median of {meta.get('steps')} "
+          "steps. Giga-elements per second (AdamW):", "",
+          "| elements | threads | " + " | ".join(names) + " |",
+          "|---:|---:|" + "---:|" * len(names)]
+    for n in sizes:
+        for t in threads:
+            cells = [f"{by[(n, t, x)]['gelems']:.3f}" if (n, t, x) in by else "–" for x in names]
+            md.append(f"| {fmt_size(n)} | {t} | " + " | ".join(cells) + " |")
+    md += ["", "Same-run ratios (time of theirs / time of ours):", "",
+           "| elements | threads | " + " | ".join(f"{a} / {b}" for a, b, _, _ in PEER_TARGETS) +
+           " |", "|---:|---:|" + "---:|" * len(PEER_TARGETS)]
+    got = {i: [] for i in range(len(PEER_TARGETS))}
+    for n in sizes:
+        for t in threads:
+            cells = []
+            for i, (a, b, _, _) in enumerate(PEER_TARGETS):
+                ra, rb = by.get((n, t, a)), by.get((n, t, b))
+                if ra and rb:
+                    q = rb["seconds"] / ra["seconds"]
+                    cells.append(ratio(q))
+                    if n >= (16 << 20):
+                        got[i].append((n, t, q))
+                else:
+                    cells.append("–")
+            md.append(f"| {fmt_size(n)} | {t} | " + " | ".join(cells) + " |")
+    # One thread: the same ratios from the CPU time of the calling thread, which a loaded
+    # machine does not inflate (every contender runs the whole step on that thread).
+    cpu_rows = []
+    for n in sizes:
+        cells = []
+        for a, b, _, _ in PEER_TARGETS:
+            ra, rb = by.get((n, 1, a)), by.get((n, 1, b))
+            if ra and rb and ra.get("cpu_seconds") and rb.get("cpu_seconds"):
+                cells.append(ratio(rb["cpu_seconds"] / ra["cpu_seconds"]))
+            else:
+                cells.append("–")
+        if any(c != "–" for c in cells):
+            cpu_rows.append(f"| {fmt_size(n)} | 1 (CPU time) | " + " | ".join(cells) + " |")
+    md += cpu_rows
+    for i, (a, b, floor, label) in enumerate(PEER_TARGETS):
+        xs = got[i]
+        if xs:
+            worst = min(x[2] for x in xs)
+            targets.append((label + " (≥ 16Mi elements, every thread count)",
+                            f"{worst:.2f}–{max(x[2] for x in xs):.2f}× (lowest at "
+                            f"{fmt_size(min(xs, key=lambda x: x[2])[0])}, "
+                            f"{min(xs, key=lambda x: x[2])[1]} thread(s))", worst >= floor))
+    if plt:
+        fig, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), 4.2), squeeze=False)
+        for ax, n in zip(axes[0], sizes):
+            w = 0.8 / max(len(threads), 1)
+            for j, t in enumerate(threads):
+                xs = [i + j * w for i in range(len(names))]
+                ax.bar(xs, [by[(n, t, x)]["gelems"] if (n, t, x) in by else 0 for x in names],
+                       width=w, label=f"{t} thread(s)")
+            ax.set_xticks([i + w * (len(threads) - 1) / 2 for i in range(len(names))])
+            ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+            ax.set_ylabel("Gelem/s")
+            ax.set_title(f"AdamW step, {fmt_size(n)} elements")
+            ax.grid(True, axis="y", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "peers.png"), dpi=90)
+        plt.close(fig)
+        md += ["", "![peers](results/peers.png)"]
+    return md
+
+
 # ---- MPI: mpi_comm against the raw MPI calls (benchmarks/mpi_reduce.cpp's table) -------------
 def mpi(path, targets):
     rows = []
@@ -361,6 +528,10 @@ def main():
         ctx, rows = load(path)
         context = context or ctx
         sections.append(fn(rows, a.results, plt, targets))
+    peer_paths = sorted(p for p in (os.path.join(a.results, f) for f in os.listdir(a.results))
+                        if os.path.basename(p).startswith("peers_") and p.endswith(".json"))
+    if peer_paths:
+        sections.append(peers(peer_paths, a.results, plt, targets))
     mpi_path = os.path.join(a.results, "mpi_reduce.txt")
     if os.path.exists(mpi_path):
         sections.append(mpi(mpi_path, targets))

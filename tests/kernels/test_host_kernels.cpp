@@ -1,6 +1,7 @@
-// Host kernels: vector conversions equal the scalar ones bit for bit, the fused optimizer step
-// matches the per-element function and an independent reference, the rank-ordered reduction is
-// exactly a sequential fp32 sum.
+// Host kernels, in every build of the host loops this CPU runs (kernels/host/isa.hpp): vector
+// conversions equal the scalar ones bit for bit, the fused optimizer step equals the scalar
+// reference bit for bit and matches an independent double-precision reference, the
+// rank-ordered reduction is exactly a sequential fp32 sum.
 #include <shardkit/kernels/host/convert.hpp>
 #include <shardkit/kernels/host/optimizer.hpp>
 #include <shardkit/kernels/host/reduce.hpp>
@@ -12,11 +13,33 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 using namespace shardkit;
 
 namespace {
+// Runs f() once in every build of the host loops this CPU runs. Sections inside f name the
+// build (DYNAMIC_SECTION): a plain SECTION met again in a loop would run in the first build only.
+template <class F>
+void in_every_build(F&& f) {
+  for (host::isa i : host::available_isas()) {
+    host::scoped_isa forced(i);
+    INFO("host loops: " << host::name(i) << " build");
+    f();
+  }
+}
+// The bit pattern of a stored value (fp32, bf16 or fp16).
+template <class T>
+std::uint32_t pattern(T x) {
+  if constexpr (std::is_same_v<T, float>)
+    return std::bit_cast<std::uint32_t>(x);
+  else
+    return x.bits;
+}
+// The widest vector of any build, for "every tail" loops.
+constexpr std::size_t L = simd::max_width;
 std::uint64_t splitmix(std::uint64_t& s) {
   std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -30,68 +53,100 @@ float random_float(std::uint64_t& s, float scale = 1.0f) {
 
 TEST_CASE("host kernels report their build", "[kernels]") {
   const std::string isa = host_isa();
-  WARN("host kernels run the " << isa << " build with " << simd::width << "-wide fp32 vectors");
-  REQUIRE((isa == "avx2" || isa == "baseline"));
+  std::string all;
+  for (host::isa i : host::available_isas()) all += std::string(" ") + host::name(i);
+  WARN("host kernels run the " << isa << " build; this CPU runs:" << all);
+#if defined(SHARDKIT_HOST_SCALAR_SIMD)
+  REQUIRE(isa == "scalar");
+#else
+  REQUIRE((isa == "baseline" || isa == "avx2" || isa == "avx512" || isa == "avx512bf16"));
+#endif
+  bool listed = false;
+  for (host::isa i : host::available_isas()) listed = listed || i == host::active_isa();
+  REQUIRE(listed);
 }
 
 TEST_CASE("vector 16-bit conversions are bit-identical to the scalar ones", "[kernels][convert]") {
-  SECTION("every bf16 and fp16 pattern widens identically") {
-    std::vector<bf16> b(65536);
-    std::vector<fp16> h(65536);
-    for (std::uint32_t i = 0; i < 65536; ++i) {
-      b[i] = bf16::from_bits(static_cast<std::uint16_t>(i));
-      h[i] = fp16::from_bits(static_cast<std::uint16_t>(i));
+  in_every_build([] {
+    DYNAMIC_SECTION("every bf16 and fp16 pattern widens identically"
+                    << " (" << host::name(host::active_isa()) << " build)") {
+      std::vector<bf16> b(65536);
+      std::vector<fp16> h(65536);
+      for (std::uint32_t i = 0; i < 65536; ++i) {
+        b[i] = bf16::from_bits(static_cast<std::uint16_t>(i));
+        h[i] = fp16::from_bits(static_cast<std::uint16_t>(i));
+      }
+      std::vector<float> fb(65536), fh(65536);
+      host::convert(b.data(), fb.data(), b.size());
+      host::convert(h.data(), fh.data(), h.size());
+      for (std::uint32_t i = 0; i < 65536; ++i) {
+        REQUIRE(std::bit_cast<std::uint32_t>(fb[i]) ==
+                std::bit_cast<std::uint32_t>(bf16_bits_to_float(static_cast<std::uint16_t>(i))));
+        REQUIRE(std::bit_cast<std::uint32_t>(fh[i]) ==
+                std::bit_cast<std::uint32_t>(fp16_bits_to_float(static_cast<std::uint16_t>(i))));
+      }
     }
-    std::vector<float> fb(65536), fh(65536);
-    host::convert(b.data(), fb.data(), b.size());
-    host::convert(h.data(), fh.data(), h.size());
-    for (std::uint32_t i = 0; i < 65536; ++i) {
-      REQUIRE(std::bit_cast<std::uint32_t>(fb[i]) ==
-              std::bit_cast<std::uint32_t>(bf16_bits_to_float(static_cast<std::uint16_t>(i))));
-      REQUIRE(std::bit_cast<std::uint32_t>(fh[i]) ==
-              std::bit_cast<std::uint32_t>(fp16_bits_to_float(static_cast<std::uint16_t>(i))));
+    DYNAMIC_SECTION(
+        "random floats (including NaN payloads, infinities, subnormals) narrow identically"
+        << " (" << host::name(host::active_isa()) << " build)") {
+      std::uint64_t s = 7;
+      std::vector<float> f(1 << 20);
+      for (auto& x : f) x = std::bit_cast<float>(static_cast<std::uint32_t>(splitmix(s)));
+      // values near fp16's interesting boundaries
+      for (std::size_t i = 0; i < 4096; ++i)
+        f[i] = std::ldexp(random_float(s), -30 + static_cast<int>(i % 50));
+      std::vector<bf16> b(f.size());
+      std::vector<fp16> h(f.size());
+      host::convert(f.data(), b.data(), f.size());
+      host::convert(f.data(), h.data(), f.size());
+      for (std::size_t i = 0; i < f.size(); ++i) {
+        REQUIRE(b[i].bits == float_to_bf16_bits(f[i]));
+        REQUIRE(h[i].bits == float_to_fp16_bits(f[i]));
+      }
     }
-  }
-  SECTION("random floats (including NaN payloads, infinities, subnormals) narrow identically") {
-    std::uint64_t s = 7;
-    std::vector<float> f(1 << 20);
-    for (auto& x : f) x = std::bit_cast<float>(static_cast<std::uint32_t>(splitmix(s)));
-    // values near fp16's interesting boundaries
-    for (std::size_t i = 0; i < 4096; ++i)
-      f[i] = std::ldexp(random_float(s), -30 + static_cast<int>(i % 50));
-    std::vector<bf16> b(f.size());
-    std::vector<fp16> h(f.size());
-    host::convert(f.data(), b.data(), f.size());
-    host::convert(f.data(), h.data(), f.size());
-    for (std::size_t i = 0; i < f.size(); ++i) {
-      REQUIRE(b[i].bits == float_to_bf16_bits(f[i]));
-      REQUIRE(h[i].bits == float_to_fp16_bits(f[i]));
+    DYNAMIC_SECTION("every length, so every tail, converts correctly"
+                    << " (" << host::name(host::active_isa()) << " build)") {
+      std::uint64_t s = 3;
+      for (std::size_t n = 0; n < 3 * L + 2; ++n) {
+        std::vector<float> f(n);
+        for (auto& x : f) x = random_float(s, 100.0f);
+        std::vector<bf16> b(n + 1, bf16::from_bits(0xabcd));  // sentinel after the end
+        std::vector<fp16> h(n + 1, fp16::from_bits(0xabcd));
+        host::convert(f.data(), b.data(), n);
+        host::convert(f.data(), h.data(), n);
+        for (std::size_t i = 0; i < n; ++i) REQUIRE(b[i].bits == float_to_bf16_bits(f[i]));
+        for (std::size_t i = 0; i < n; ++i) REQUIRE(h[i].bits == float_to_fp16_bits(f[i]));
+        REQUIRE(b[n].bits == 0xabcd);
+        REQUIRE(h[n].bits == 0xabcd);
+      }
     }
-  }
-  SECTION("every length, so every tail, converts correctly") {
-    std::uint64_t s = 3;
-    for (std::size_t n = 0; n < 3 * simd::width + 2; ++n) {
-      std::vector<float> f(n);
-      for (auto& x : f) x = random_float(s, 100.0f);
-      std::vector<bf16> b(n + 1, bf16::from_bits(0xabcd));  // sentinel after the end
-      host::convert(f.data(), b.data(), n);
-      for (std::size_t i = 0; i < n; ++i) REQUIRE(b[i].bits == float_to_bf16_bits(f[i]));
-      REQUIRE(b[n].bits == 0xabcd);
+    DYNAMIC_SECTION("bf16 <-> fp16 go through fp32 exactly"
+                    << " (" << host::name(host::active_isa()) << " build)") {
+      std::vector<fp16> h(65536);
+      for (std::uint32_t i = 0; i < 65536; ++i)
+        h[i] = fp16::from_bits(static_cast<std::uint16_t>(i));
+      std::vector<bf16> b(h.size());
+      host::convert(h.data(), b.data(), h.size());
+      for (std::uint32_t i = 0; i < 65536; ++i) {
+        REQUIRE(b[i].bits == float_to_bf16_bits(fp16_bits_to_float(static_cast<std::uint16_t>(i))));
+      }
     }
-  }
+  });
 }
 
 TEST_CASE("accumulate adds in fp32 and rounds once", "[kernels][convert]") {
-  std::uint64_t s = 11;
-  std::vector<bf16> acc(1000), in(1000);
-  std::vector<float> expect(1000);
-  for (std::size_t i = 0; i < acc.size(); ++i) {
-    acc[i] = bf16(random_float(s, 10.0f));
-    in[i] = bf16(random_float(s, 10.0f));
-    expect[i] = static_cast<float>(acc[i]) + static_cast<float>(in[i]);
-  }
-  host::accumulate(in.data(), acc.data(), acc.size());
-  for (std::size_t i = 0; i < acc.size(); ++i) REQUIRE(acc[i].bits == bf16(expect[i]).bits);
+  in_every_build([] {
+    std::uint64_t s = 11;
+    std::vector<bf16> acc(1000), in(1000);
+    std::vector<float> expect(1000);
+    for (std::size_t i = 0; i < acc.size(); ++i) {
+      acc[i] = bf16(random_float(s, 10.0f));
+      in[i] = bf16(random_float(s, 10.0f));
+      expect[i] = static_cast<float>(acc[i]) + static_cast<float>(in[i]);
+    }
+    host::accumulate(in.data(), acc.data(), acc.size());
+    for (std::size_t i = 0; i < acc.size(); ++i) REQUIRE(acc[i].bits == bf16(expect[i]).bits);
+  });
 }
 
 namespace {
@@ -111,7 +166,7 @@ struct ref_adam {
   }
 };
 
-template <class Opt, class G>
+template <class Opt, class G, class W = bf16>
 void check_fused_step(bool decoupled) {
   const adam_options o{
       .lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-8f, .weight_decay = 0.1f};
@@ -126,73 +181,74 @@ void check_fused_step(bool decoupled) {
   p2 = p;
   m2 = m;
   v2 = v;
-  std::vector<bf16> out(n), out2(n);
+  std::vector<W> out(n), out2(n);
   for (int t = 1; t <= 5; ++t) {
     std::vector<G> g(n);
     for (std::size_t i = 0; i < n; ++i) g[i] = G(random_float(s, 3.0f));
     const auto k = Opt::prepare(o, static_cast<std::uint64_t>(t), o.lr, 0.5f);
     float* st[2] = {m.data(), v.data()};
     float* st2[2] = {m2.data(), v2.data()};
-    host::fused_step<Opt>(k, p.data(), st, g.data(), out.data(), n);
-    host::fused_step_scalar<Opt>(k, p2.data(), st2, g.data(), out2.data(), n);
+    host::fused_step<Opt, G, W>(k, p.data(), st, g.data(), out.data(), n);
+    host::fused_step_scalar<Opt, G, W>(k, p2.data(), st2, g.data(), out2.data(), n);
     for (std::size_t i = 0; i < n; ++i) ref[i].step(static_cast<float>(g[i]), t, o, decoupled, 0.5);
   }
   for (std::size_t i = 0; i < n; ++i) {
-    // vector vs scalar per-element function: equal up to FMA contraction
-    REQUIRE(p[i] == Approx(p2[i]).epsilon(1e-6).margin(1e-7));
-    REQUIRE(m[i] == Approx(m2[i]).epsilon(1e-6).margin(1e-7));
-    REQUIRE(v[i] == Approx(v2[i]).epsilon(1e-6).margin(1e-9));
+    // vector build vs the scalar reference: the same bits (no FMA contraction anywhere)
+    REQUIRE(std::bit_cast<std::uint32_t>(p[i]) == std::bit_cast<std::uint32_t>(p2[i]));
+    REQUIRE(std::bit_cast<std::uint32_t>(m[i]) == std::bit_cast<std::uint32_t>(m2[i]));
+    REQUIRE(std::bit_cast<std::uint32_t>(v[i]) == std::bit_cast<std::uint32_t>(v2[i]));
+    REQUIRE(pattern(out[i]) == pattern(out2[i]));
     // against the independent double-precision reference
     REQUIRE(p[i] == Approx(ref[i].p).epsilon(1e-5).margin(1e-6));
     // the working copy is the master rounded to nearest even
-    REQUIRE(out[i].bits == float_to_bf16_bits(p[i]));
+    REQUIRE(pattern(out[i]) == pattern(from_float<W>(p[i])));
   }
 }
 }  // namespace
 
-TEST_CASE("fused Adam/AdamW step matches the per-element function and a double reference",
+TEST_CASE("fused Adam/AdamW step equals the scalar reference and matches a double reference",
           "[kernels][optimizer]") {
-  SECTION("AdamW, bf16 gradients") {
+  in_every_build([] {
     check_fused_step<adamw, bf16>(true);
-  }
-  SECTION("AdamW, fp32 gradients") {
     check_fused_step<adamw, float>(true);
-  }
-  SECTION("Adam, fp16 gradients") {
     check_fused_step<adam, fp16>(false);
-  }
+    check_fused_step<adamw, fp16, fp16>(true);
+    check_fused_step<adam, bf16, float>(false);
+  });
 }
 
 TEST_CASE("an element's result does not depend on its position in the run",
           "[kernels][optimizer]") {
   // Bit-identity across ZeRO stages rests on this: a shard boundary may put an element in a
   // vector body in one stage and in a tail in another.
-  const auto k = adamw::prepare({.lr = 1e-3f, .weight_decay = 0.01f}, 3, 1e-3f, 0.25f);
-  std::uint64_t s = 9;
-  const std::size_t L = simd::width;
-  std::vector<float> p0(4 * L), m0(4 * L), v0(4 * L);
-  std::vector<bf16> g0(4 * L);
-  for (std::size_t i = 0; i < p0.size(); ++i) {
-    p0[i] = random_float(s);
-    m0[i] = random_float(s, 0.1f);
-    v0[i] = std::fabs(random_float(s, 0.01f));
-    g0[i] = bf16(random_float(s));
-  }
-  for (std::size_t off = 0; off < L; ++off) {
-    for (std::size_t len = 1; off + len <= p0.size(); len += 3) {
-      auto p = p0, m = m0, v = v0;
-      float* st[2] = {m.data() + off, v.data() + off};
-      host::fused_step<adamw>(k, p.data() + off, st, g0.data() + off, static_cast<bf16*>(nullptr),
-                              len);
-      auto pa = p0, ma = m0, va = v0;
-      float* sta[2] = {ma.data(), va.data()};
-      host::fused_step<adamw>(k, pa.data(), sta, g0.data(), static_cast<bf16*>(nullptr), pa.size());
-      for (std::size_t i = off; i < off + len; ++i) {
-        REQUIRE(std::bit_cast<std::uint32_t>(p[i]) == std::bit_cast<std::uint32_t>(pa[i]));
-        REQUIRE(std::bit_cast<std::uint32_t>(v[i]) == std::bit_cast<std::uint32_t>(va[i]));
+  in_every_build([] {
+    const auto k = adamw::prepare({.lr = 1e-3f, .weight_decay = 0.01f}, 3, 1e-3f, 0.25f);
+    std::uint64_t s = 9;
+    std::vector<float> p0(4 * L), m0(4 * L), v0(4 * L);
+    std::vector<bf16> g0(4 * L);
+    for (std::size_t i = 0; i < p0.size(); ++i) {
+      p0[i] = random_float(s);
+      m0[i] = random_float(s, 0.1f);
+      v0[i] = std::fabs(random_float(s, 0.01f));
+      g0[i] = bf16(random_float(s));
+    }
+    for (std::size_t off = 0; off < L; off += 3) {
+      for (std::size_t len = 1; off + len <= p0.size(); len += 5) {
+        auto p = p0, m = m0, v = v0;
+        float* st[2] = {m.data() + off, v.data() + off};
+        host::fused_step<adamw>(k, p.data() + off, st, g0.data() + off, static_cast<bf16*>(nullptr),
+                                len);
+        auto pa = p0, ma = m0, va = v0;
+        float* sta[2] = {ma.data(), va.data()};
+        host::fused_step<adamw>(k, pa.data(), sta, g0.data(), static_cast<bf16*>(nullptr),
+                                pa.size());
+        for (std::size_t i = off; i < off + len; ++i) {
+          REQUIRE(std::bit_cast<std::uint32_t>(p[i]) == std::bit_cast<std::uint32_t>(pa[i]));
+          REQUIRE(std::bit_cast<std::uint32_t>(v[i]) == std::bit_cast<std::uint32_t>(va[i]));
+        }
       }
     }
-  }
+  });
 }
 
 TEST_CASE("SGD with momentum is a pluggable optimizer policy", "[kernels][optimizer]") {
@@ -253,31 +309,35 @@ void check_reduce(std::size_t k, std::size_t n, reduce_op op) {
 }  // namespace
 
 TEST_CASE("rank-ordered reduction equals a sequential fp32 sum bit for bit", "[kernels][reduce]") {
-  for (std::size_t k : {1u, 2u, 3u, 8u}) {
-    for (std::size_t n : {0u, 1u, 7u, 64u, 1001u}) {
-      for (reduce_op op : {reduce_op::sum, reduce_op::avg, reduce_op::max, reduce_op::min}) {
-        CAPTURE(k, n, op);
-        check_reduce<bf16>(k, n, op);
-        check_reduce<fp16>(k, n, op);
-        check_reduce<float>(k, n, op);
+  in_every_build([] {
+    for (std::size_t k : {1u, 2u, 3u, 8u}) {
+      for (std::size_t n : {0u, 1u, 7u, 17u, 64u, 1001u}) {
+        for (reduce_op op : {reduce_op::sum, reduce_op::avg, reduce_op::max, reduce_op::min}) {
+          CAPTURE(k, n, op);
+          check_reduce<bf16>(k, n, op);
+          check_reduce<fp16>(k, n, op);
+          check_reduce<float>(k, n, op);
+        }
       }
     }
-  }
+  });
 }
 
 TEST_CASE("reductions propagate NaN and infinity", "[kernels][reduce]") {
-  std::vector<float> a{1.0f, INFINITY, 3.0f}, b{NAN, 1.0f, -INFINITY};
-  const float* p[2] = {a.data(), b.data()};
-  std::vector<float> out(3);
-  host::reduce_ordered(p, 2, out.data(), 3, reduce_op::sum);
-  REQUIRE(std::isnan(out[0]));
-  REQUIRE(std::isinf(out[1]));
-  REQUIRE(std::isinf(out[2]));
-  host::reduce_ordered(p, 2, out.data(), 3, reduce_op::max);
-  REQUIRE(std::isnan(out[0]));
-  std::vector<std::int64_t> i1{1, -5}, i2{2, 7};
-  const std::int64_t* pi[2] = {i1.data(), i2.data()};
-  std::vector<std::int64_t> oi(2);
-  host::reduce_ordered(pi, 2, oi.data(), 2, reduce_op::max);
-  REQUIRE(oi == std::vector<std::int64_t>{2, 7});
+  in_every_build([] {
+    std::vector<float> a{1.0f, INFINITY, 3.0f}, b{NAN, 1.0f, -INFINITY};
+    const float* p[2] = {a.data(), b.data()};
+    std::vector<float> out(3);
+    host::reduce_ordered(p, 2, out.data(), 3, reduce_op::sum);
+    REQUIRE(std::isnan(out[0]));
+    REQUIRE(std::isinf(out[1]));
+    REQUIRE(std::isinf(out[2]));
+    host::reduce_ordered(p, 2, out.data(), 3, reduce_op::max);
+    REQUIRE(std::isnan(out[0]));
+    std::vector<std::int64_t> i1{1, -5}, i2{2, 7};
+    const std::int64_t* pi[2] = {i1.data(), i2.data()};
+    std::vector<std::int64_t> oi(2);
+    host::reduce_ordered(pi, 2, oi.data(), 2, reduce_op::max);
+    REQUIRE(oi == std::vector<std::int64_t>{2, 7});
+  });
 }

@@ -151,7 +151,7 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
       : registry_(detail::agreed_registry<Optimizer, Working, Grad>(
             comm, stage, model, options, std::span<const optimizer_options>(groups.options))),
         options_(options),
-        ops_(options.compute_stream, comm_orders_by_stream),
+        ops_(detail::make_space_ops<memory_space>(options, comm_orders_by_stream)),
         control_(detail::control_options(options, std::is_same_v<Working, fp16>), ops_),
         topology_(stream_set(comm, options.compute_stream),
                   stage == 0 ? 0 : options.shard_group_size),

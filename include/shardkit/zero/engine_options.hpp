@@ -4,7 +4,8 @@
 //! the topology (shard_group_size), shard_grads (grad_buffers, allow_missing_grads),
 //! shard_params (prefetch, persist_below, max_live_elems, trace), step_control (clipping,
 //! norms, loss scaling, check_schedule) and the engine itself (average_grads, broadcast_init,
-//! compute_stream). Options a stage does not use are ignored by it, as each field says.
+//! compute_stream, host_threads). Options a stage does not use are ignored by it, as each field
+//! says.
 #pragma once
 
 #include <shardkit/config.hpp>
@@ -19,8 +20,10 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
+#include <type_traits>
 
 SHARDKIT_NAMESPACE_BEGIN
 
@@ -83,6 +86,15 @@ struct engine_options {
   //! engine's kernels, allocations and frees run on (nullptr = the legacy default stream). The
   //! engine passes it to a communicator that has set_compute_stream. Ignored on the host.
   device_stream compute_stream = nullptr;
+
+  //! Host engines: threads that run this rank's optimizer step, its casts of gradients and
+  //! parameters and its gradient statistics (1 = the thread that calls the engine). The engine
+  //! keeps a persistent host::thread_team of this many threads (the caller is one of them).
+  //! Results are the same bits for any number. Ignored by device engines.
+  std::size_t host_threads = 1;
+  //! Host engines: run that work on this executor instead (a framework's thread pool behind
+  //! host::executor, or a thread_team shared with other code); overrides host_threads.
+  std::shared_ptr<host::executor> host_executor;
 };
 
 namespace detail {
@@ -95,6 +107,9 @@ const engine_options& checked_engine_options(const engine_options& o, int stage,
                                              int ranks, const param_registry& reg,
                                              std::span<const typename Opt::options> groups) {
   if (o.grad_buffers == 0) raise("engine: engine_options::grad_buffers must be at least 1, got 0");
+  if (o.host_threads == 0) {
+    raise("engine: engine_options::host_threads must be at least 1 (the calling thread), got 0");
+  }
   if (o.alignment == 0) {
     raise("engine: engine_options::alignment must be at least 1 element, got 0");
   }
@@ -169,6 +184,19 @@ fingerprint options_fingerprint(const engine_options& o, int stage, int ranks, d
           {"report_grad_norm", one(o.report_grad_norm)},
           {"loss scaling (loss_scale, disable_loss_scale)", scaling.value()},
           {"shard_group_size", one(o.shard_group_size)}};
+}
+
+//! The element-wise operations of an engine in memory space Space: on the host, on the threads
+//! host_executor or host_threads ask for; elsewhere on the compute stream.
+template <memory_space Space>
+space_ops<Space> make_space_ops(const engine_options& o, bool comm_orders_by_stream) {
+  if constexpr (std::is_same_v<Space, host_space>) {
+    (void)comm_orders_by_stream;
+    if (o.host_executor) return space_ops<host_space>(o.host_executor);
+    return space_ops<host_space>::with_threads(o.host_threads);
+  } else {
+    return space_ops<Space>(o.compute_stream, comm_orders_by_stream);
+  }
 }
 
 //! The step_control settings among the engine's options.

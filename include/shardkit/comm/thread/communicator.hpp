@@ -3,8 +3,14 @@
 //! (comm/thread.hpp has the overview). The typed calls come from comm/detail/frontend.hpp;
 //! this file is the transport: every collective is a rendezvous of the group
 //! (comm/thread/group.hpp) at which each rank reads the others' posted buffers directly and
-//! reduces its own part in rank order. Asynchronous collectives run on the rank's progress
-//! thread, in issue order.
+//! reduces its own part in rank order, then a second rendezvous before anyone returns (so no
+//! buffer is reused while another rank still reads or writes it). Asynchronous collectives run
+//! on the rank's progress thread, in issue order.
+//!
+//! The all-reduce is one pass: rank r reduces its chunk r of every rank's input and writes the
+//! result straight into chunk r of every rank's output (on the host block by block, while the
+//! block is in cache), so each rank reads B and writes B bytes of a B-byte all-reduce, the
+//! least shared memory allows, and nothing is copied back.
 #pragma once
 
 #include <shardkit/comm/communicator.hpp>
@@ -19,6 +25,7 @@
 #include <shardkit/core/memory.hpp>
 #include <shardkit/kernels/host/reduce.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -30,6 +37,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -279,27 +287,37 @@ class thread_communicator : public detail::comm_frontend<thread_communicator<Spa
     const std::size_t esize = size_of(d.type);
     auto in_of = [&](int q) { return static_cast<const std::byte*>(g.slot(q).in); };
     auto out_of = [&](int q) { return static_cast<std::byte*>(g.slot(q).out); };
-    std::vector<const void*> srcs(static_cast<std::size_t>(n));
+    constexpr int small_group = 16;  // source pointers on the stack up to this many ranks
+    const void* srcs_small[small_group];
+    std::vector<const void*> srcs_large(n > small_group ? static_cast<std::size_t>(n) : 0);
+    const void** srcs = n > small_group ? srcs_large.data() : srcs_small;
 
     switch (d.kind) {
       case collective::all_reduce: {
+        // One pass (see the file comment): chunk r of every input, reduced in rank order, into
+        // chunk r of every output. Only this rank touches chunk r of any buffer, so in-place
+        // all-reduces are safe block by block.
         const std::size_t b = chunk_begin(d.count, n, r), len = chunk_size(d.count, n, r);
-        for (int q = 0; q < n; ++q) srcs[q] = in_of(q) + b * esize;
-        transport::reduce(d.type, srcs.data(), n, out_of(r) + b * esize, len, d.op);
-        detail::transport_fence<transport>();
-        phase(nullptr, "reduction");
-        for (int q = 0; q < n; ++q) {
-          if (q == r) continue;
-          const std::size_t bq = chunk_begin(d.count, n, q);
-          transport::copy(out_of(r) + bq * esize, out_of(q) + bq * esize,
-                          chunk_size(d.count, n, q) * esize);
+        const std::size_t block =
+            std::is_same_v<Space, host_space> ? std::max<std::size_t>(16384 / esize, 1) : len;
+        for (std::size_t off = 0; off < len; off += block) {
+          const std::size_t cnt = std::min(block, len - off);
+          const std::size_t at = (b + off) * esize;
+          for (int q = 0; q < n; ++q) srcs[q] = in_of(q) + at;
+          transport::reduce(d.type, srcs, n, out_of(r) + at, cnt, d.op);
+          // Device transports enqueue: the reduced chunk must be complete before other
+          // devices' streams copy it.
+          if constexpr (!std::is_same_v<Space, host_space>) detail::transport_fence<transport>();
+          for (int q = 0; q < n; ++q) {
+            if (q != r) transport::copy(out_of(q) + at, out_of(r) + at, cnt * esize);
+          }
         }
         break;
       }
       case collective::reduce_scatter: {
         for (int q = 0; q < n; ++q)
           srcs[q] = in_of(q) + static_cast<std::size_t>(r) * d.count * esize;
-        transport::reduce(d.type, srcs.data(), n, out_of(r), d.count, d.op);
+        transport::reduce(d.type, srcs, n, out_of(r), d.count, d.op);
         break;
       }
       case collective::all_gather: {

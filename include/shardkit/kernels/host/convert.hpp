@@ -8,6 +8,7 @@
 #include <shardkit/config.hpp>
 #include <shardkit/core/dtype.hpp>
 #include <shardkit/core/error.hpp>
+#include <shardkit/kernels/host/parallel.hpp>
 #include <shardkit/kernels/host/simd.hpp>
 
 #include <algorithm>
@@ -21,40 +22,36 @@ namespace host {
 namespace detail {
 template <class S, class D>
 struct convert_kernel {
+  template <class Isa>
   SHARDKIT_FORCEINLINE static void run(const S* in, D* out, std::size_t n) {
-    constexpr std::size_t L = simd::width;
+    constexpr std::size_t L = Isa::width;
     std::size_t i = 0;
-    for (; i + L <= n; i += L) simd::store(out + i, simd::load(in + i));
-    if (i < n) simd::store_partial(out + i, simd::load_partial(in + i, n - i), n - i);
+    for (; i + 2 * L <= n; i += 2 * L) {  // two vectors per iteration: more loads in flight
+      const auto a = simd::load<Isa>(in + i);
+      const auto b = simd::load<Isa>(in + i + L);
+      simd::store<Isa>(out + i, a);
+      simd::store<Isa>(out + i + L, b);
+    }
+    for (; i + L <= n; i += L) simd::store<Isa>(out + i, simd::load<Isa>(in + i));
+    if (i < n) {
+      simd::store_partial<Isa>(out + i, simd::load_partial<Isa>(in + i, n - i), n - i);
+    }
   }
 };
-
-#if defined(SHARDKIT_DETAIL_HOST_WIDE)
-template <class T>
-inline constexpr bool wide_type = std::is_same_v<T, float> || std::is_same_v<T, bf16>;
-
-//! fp32 <-> bf16 on 8-lane vectors, for the AVX2 build (see simd::wide).
-template <class S, class D>
-struct convert_wide_kernel {
-  SHARDKIT_FORCEINLINE static void run(const S* in, D* out, std::size_t n) {
-    namespace w = simd::wide;
-    std::size_t i = 0;
-    for (; i + w::width <= n; i += w::width) w::store(out + i, w::load(in + i));
-    if (i < n) w::store_partial(out + i, w::load_partial(in + i, n - i), n - i);
-  }
-};
-#endif
 
 template <class S, class D>
 struct accumulate_kernel {
+  template <class Isa>
   SHARDKIT_FORCEINLINE static void run(const S* in, D* acc, std::size_t n) {
-    constexpr std::size_t L = simd::width;
+    constexpr std::size_t L = Isa::width;
     std::size_t i = 0;
-    for (; i + L <= n; i += L) simd::store(acc + i, simd::load(acc + i) + simd::load(in + i));
+    for (; i + L <= n; i += L) {
+      simd::store<Isa>(acc + i, simd::load<Isa>(acc + i) + simd::load<Isa>(in + i));
+    }
     if (i < n) {
       const std::size_t r = n - i;
-      simd::store_partial(acc + i, simd::load_partial(acc + i, r) + simd::load_partial(in + i, r),
-                          r);
+      simd::store_partial<Isa>(
+          acc + i, simd::load_partial<Isa>(acc + i, r) + simd::load_partial<Isa>(in + i, r), r);
     }
   }
 };
@@ -70,14 +67,6 @@ void convert(const S* in, D* out, std::size_t n) {
       std::memcpy(out, in, n * sizeof(S));
     }
   } else {
-#if defined(SHARDKIT_DETAIL_HOST_WIDE)
-    if constexpr (detail::wide_type<S> && detail::wide_type<D>) {
-      if (::shardkit::detail::cpu_has_avx2_fma()) {
-        ::shardkit::detail::run_avx2<detail::convert_wide_kernel<S, D>>(in, out, n);
-        return;
-      }
-    }
-#endif
     dispatch<detail::convert_kernel<S, D>>(in, out, n);
   }
 }
@@ -89,16 +78,35 @@ void accumulate(const S* in, D* acc, std::size_t n) {
   dispatch<detail::accumulate_kernel<S, D>>(in, acc, n);
 }
 
-//! Converts between run-time element types (fp32, bf16, fp16).
-inline void convert(const void* in, dtype in_type, void* out, dtype out_type, std::size_t n) {
+//! Elements per thread below which the parallel casts use fewer threads.
+inline constexpr std::size_t convert_grain = 65536;
+
+//! convert on the threads of `exec` (nullptr: the caller's only); the same bits.
+template <float_storage S, float_storage D>
+void parallel_convert(executor* exec, const S* in, D* out, std::size_t n) {
+  parallel_for(exec, n, convert_grain,
+               [&](std::size_t b, std::size_t e) { convert(in + b, out + b, e - b); });
+}
+
+//! accumulate on the threads of `exec` (nullptr: the caller's only); the same bits.
+template <float_storage S, float_storage D>
+void parallel_accumulate(executor* exec, const S* in, D* acc, std::size_t n) {
+  parallel_for(exec, n, convert_grain,
+               [&](std::size_t b, std::size_t e) { accumulate(in + b, acc + b, e - b); });
+}
+
+//! Converts between run-time element types (fp32, bf16, fp16), on the threads of `exec`
+//! (nullptr: the caller's only).
+inline void parallel_convert(executor* exec, const void* in, dtype in_type, void* out,
+                             dtype out_type, std::size_t n) {
   auto with_out = [&](const auto* src) {
     switch (out_type) {
       case dtype::f32:
-        return convert(src, static_cast<float*>(out), n);
+        return parallel_convert(exec, src, static_cast<float*>(out), n);
       case dtype::bf16:
-        return convert(src, static_cast<bf16*>(out), n);
+        return parallel_convert(exec, src, static_cast<bf16*>(out), n);
       case dtype::f16:
-        return convert(src, static_cast<fp16*>(out), n);
+        return parallel_convert(exec, src, static_cast<fp16*>(out), n);
       default:
         ::shardkit::detail::raise("convert: unsupported destination element type ", name(out_type),
                                   " (expected fp32, bf16 or fp16)");
@@ -117,20 +125,32 @@ inline void convert(const void* in, dtype in_type, void* out, dtype out_type, st
   }
 }
 
-//! acc[i] += in[i] for a run-time source element type (fp32, bf16, fp16).
+//! Converts between run-time element types (fp32, bf16, fp16).
+inline void convert(const void* in, dtype in_type, void* out, dtype out_type, std::size_t n) {
+  parallel_convert(nullptr, in, in_type, out, out_type, n);
+}
+
+//! acc[i] += in[i] for a run-time source element type (fp32, bf16, fp16), on the threads of
+//! `exec` (nullptr: the caller's only).
 template <float_storage D>
-void accumulate(const void* in, dtype in_type, D* acc, std::size_t n) {
+void parallel_accumulate(executor* exec, const void* in, dtype in_type, D* acc, std::size_t n) {
   switch (in_type) {
     case dtype::f32:
-      return accumulate(static_cast<const float*>(in), acc, n);
+      return parallel_accumulate(exec, static_cast<const float*>(in), acc, n);
     case dtype::bf16:
-      return accumulate(static_cast<const bf16*>(in), acc, n);
+      return parallel_accumulate(exec, static_cast<const bf16*>(in), acc, n);
     case dtype::f16:
-      return accumulate(static_cast<const fp16*>(in), acc, n);
+      return parallel_accumulate(exec, static_cast<const fp16*>(in), acc, n);
     default:
       ::shardkit::detail::raise("accumulate: unsupported source element type ", name(in_type),
                                 " (expected fp32, bf16 or fp16)");
   }
+}
+
+//! acc[i] += in[i] for a run-time source element type (fp32, bf16, fp16).
+template <float_storage D>
+void accumulate(const void* in, dtype in_type, D* acc, std::size_t n) {
+  parallel_accumulate(nullptr, in, in_type, acc, n);
 }
 
 }  // namespace host

@@ -8,6 +8,7 @@
 
 #include <shardkit/config.hpp>
 #include <shardkit/core/dtype.hpp>
+#include <shardkit/kernels/host/parallel.hpp>
 #include <shardkit/kernels/host/simd.hpp>
 #include <shardkit/kernels/math.hpp>
 
@@ -22,102 +23,43 @@ template <class Opt, class G, class W, bool WriteOut>
 struct fused_step_kernel {
   static constexpr std::size_t S = Opt::state_count;
 
+  template <class Isa>
   SHARDKIT_FORCEINLINE static void one(const typename Opt::constants& k, float* p,
                                        float* const* state, const G* g, W* out, std::size_t i,
                                        std::size_t n) {
-    constexpr std::size_t L = simd::width;
-    const bool full = n == L;
-    simd::vfloat pv = full ? simd::load(p + i) : simd::load_partial(p + i, n);
-    simd::vfloat sv[S];
+    using V = simd::vf<Isa::width>;
+    const bool full = n == Isa::width;
+    V pv = full ? simd::load<Isa>(p + i) : simd::load_partial<Isa>(p + i, n);
+    V sv[S > 0 ? S : 1];
     for (std::size_t s = 0; s < S; ++s) {
-      sv[s] = full ? simd::load(state[s] + i) : simd::load_partial(state[s] + i, n);
+      sv[s] = full ? simd::load<Isa>(state[s] + i) : simd::load_partial<Isa>(state[s] + i, n);
     }
-    const simd::vfloat gv = full ? simd::load(g + i) : simd::load_partial(g + i, n);
+    const V gv = full ? simd::load<Isa>(g + i) : simd::load_partial<Isa>(g + i, n);
     Opt::update(pv, sv, gv, k);
     if (full) {
-      simd::store(p + i, pv);
-      for (std::size_t s = 0; s < S; ++s) simd::store(state[s] + i, sv[s]);
-      if constexpr (WriteOut) simd::store(out + i, pv);
+      simd::store<Isa>(p + i, pv);
+      for (std::size_t s = 0; s < S; ++s) simd::store<Isa>(state[s] + i, sv[s]);
+      if constexpr (WriteOut) simd::store<Isa>(out + i, pv);
     } else {
-      simd::store_partial(p + i, pv, n);
-      for (std::size_t s = 0; s < S; ++s) simd::store_partial(state[s] + i, sv[s], n);
-      if constexpr (WriteOut) simd::store_partial(out + i, pv, n);
+      simd::store_partial<Isa>(p + i, pv, n);
+      for (std::size_t s = 0; s < S; ++s) simd::store_partial<Isa>(state[s] + i, sv[s], n);
+      if constexpr (WriteOut) simd::store_partial<Isa>(out + i, pv, n);
     }
   }
 
+  template <class Isa>
   SHARDKIT_FORCEINLINE static void run(const typename Opt::constants* k, float* p,
                                        float* const* state, const G* g, W* out, std::size_t n) {
-    constexpr std::size_t L = simd::width;
+    constexpr std::size_t L = Isa::width;
     const typename Opt::constants kk = *k;
-    std::size_t i = 0;
-    for (; i + L <= n; i += L) one(kk, p, state, g, out, i, L);
-    if (i < n) one(kk, p, state, g, out, i, n - i);
-  }
-};
-#if defined(SHARDKIT_DETAIL_HOST_WIDE)
-//! The same loop on 8-lane vectors, for the AVX2 build: every element, the tail too, goes
-//! through the same vector code, and the per-element arithmetic is Opt::update as above.
-template <class Opt, class G, class W, bool WriteOut>
-struct fused_step_wide_kernel {
-  static constexpr std::size_t S = Opt::state_count;
-  using V = simd::wide::vfloat;
-
-  SHARDKIT_FORCEINLINE static void one(const typename Opt::constants& k, float* p,
-                                       float* const* state, const G* g, W* out, std::size_t i,
-                                       std::size_t n) {
-    namespace w = simd::wide;
-    const bool full = n == w::width;
-    V pv = full ? w::load(p + i) : w::load_partial(p + i, n);
-    V sv[S];
-    for (std::size_t s = 0; s < S; ++s) {
-      sv[s] = full ? w::load(state[s] + i) : w::load_partial(state[s] + i, n);
-    }
-    const V gv = full ? w::load(g + i) : w::load_partial(g + i, n);
-    Opt::update(pv, sv, gv, k);
-    if (full) {
-      w::store(p + i, pv);
-      for (std::size_t s = 0; s < S; ++s) w::store(state[s] + i, sv[s]);
-      if constexpr (WriteOut) w::store(out + i, pv);
-    } else {
-      w::store_partial(p + i, pv, n);
-      for (std::size_t s = 0; s < S; ++s) w::store_partial(state[s] + i, sv[s], n);
-      if constexpr (WriteOut) w::store_partial(out + i, pv, n);
-    }
-  }
-
-  SHARDKIT_FORCEINLINE static void run(const typename Opt::constants* k, float* p,
-                                       float* const* state, const G* g, W* out, std::size_t n) {
-    constexpr std::size_t L = simd::wide::width;
-    const typename Opt::constants kk = *k;
-    float* st[S];  // local copies: the stores cannot alias them, so they stay in registers
+    float*
+        st[S > 0 ? S : 1];  // local copies: the stores cannot alias them, so they stay in registers
     for (std::size_t s = 0; s < S; ++s) st[s] = state[s];
     std::size_t i = 0;
-    for (; i + L <= n; i += L) one(kk, p, st, g, out, i, L);
-    if (i < n) one(kk, p, st, g, out, i, n - i);
+    for (; i + L <= n; i += L) one<Isa>(kk, p, st, g, out, i, L);
+    if (i < n) one<Isa>(kk, p, st, g, out, i, n - i);
   }
 };
-
-template <class T>
-inline constexpr bool wide_storage = std::is_same_v<T, float> || std::is_same_v<T, bf16>;
-#endif
-
-//! Runs the fused loop in the best build for this CPU: the 8-lane AVX2 loop where it applies
-//! (fp32/bf16 storage on an AVX2+FMA CPU, from a translation unit built below AVX2), dispatch()
-//! otherwise.
-template <class Opt, class G, class W, bool WriteOut>
-void run_fused(const typename Opt::constants* k, float* p, float* const* state, const G* g, W* out,
-               std::size_t n) {
-#if defined(SHARDKIT_DETAIL_HOST_WIDE)
-  if constexpr (wide_storage<G> && wide_storage<W>) {
-    if (::shardkit::detail::cpu_has_avx2_fma()) {
-      ::shardkit::detail::run_avx2<fused_step_wide_kernel<Opt, G, W, WriteOut>>(k, p, state, g, out,
-                                                                                n);
-      return;
-    }
-  }
-#endif
-  dispatch<fused_step_kernel<Opt, G, W, WriteOut>>(k, p, state, g, out, n);
-}
 }  // namespace detail
 
 //! One optimizer step over `n` consecutive elements.
@@ -127,31 +69,51 @@ void run_fused(const typename Opt::constants* k, float* p, float* const* state, 
 //!  - `grads`: the raw gradients (k.grad_scale is applied inside);
 //!  - `working_out`: where to write the rounded 16-bit working copy, or nullptr for none.
 //! Every element goes through the same vector code (the tail too), so a result never depends on
-//! where an element falls in a run.
+//! where an element falls in a run, and every build (host_isa()) computes the same bits as
+//! fused_step_scalar.
 template <optimizer_policy Opt, float_storage G, float_storage W = bf16>
 void fused_step(const typename Opt::constants& k, float* params, float* const* state,
                 const G* grads, W* working_out, std::size_t n) {
   if (n == 0) return;
   if (working_out != nullptr) {
-    detail::run_fused<Opt, G, W, true>(&k, params, state, grads, working_out, n);
+    dispatch<detail::fused_step_kernel<Opt, G, W, true>>(&k, params, state, grads, working_out, n);
   } else {
-    detail::run_fused<Opt, G, W, false>(&k, params, state, grads, working_out, n);
+    dispatch<detail::fused_step_kernel<Opt, G, W, false>>(&k, params, state, grads, working_out, n);
   }
 }
 
-//! The same step, one element at a time through the scalar per-element function. Slow; it is
-//! the reference the vector loop is checked against and the shape the CUDA kernel has.
+//! Elements per thread below which a parallel step uses fewer threads.
+inline constexpr std::size_t step_grain = 16384;
+
+//! fused_step on the threads of `exec` (nullptr: the caller's only): the same bits whatever
+//! the number of threads (see kernels/host/parallel.hpp).
+template <optimizer_policy Opt, float_storage G, float_storage W = bf16>
+void parallel_fused_step(executor* exec, const typename Opt::constants& k, float* params,
+                         float* const* state, const G* grads, W* working_out, std::size_t n) {
+  parallel_for(exec, n, step_grain, [&](std::size_t b, std::size_t e) {
+    float* st[Opt::state_count > 0 ? Opt::state_count : 1];
+    for (std::size_t s = 0; s < Opt::state_count; ++s) st[s] = state[s] + b;
+    fused_step<Opt, G, W>(k, params + b, st, grads + b,
+                          working_out != nullptr ? working_out + b : nullptr, e - b);
+  });
+}
+
+//! The same step, one element at a time through the scalar per-element function and the
+//! scalar conversions of core/dtype.hpp. Slow; it is the reference every vector build equals
+//! bit for bit, and the shape the CUDA kernel has. Its lane type (simd::vf<1>) keeps the
+//! compiler from contracting products into fused multiply-adds, as every build does.
 template <optimizer_policy Opt, float_storage G, float_storage W = bf16>
 void fused_step_scalar(const typename Opt::constants& k, float* params, float* const* state,
                        const G* grads, W* working_out, std::size_t n) {
+  using V = simd::vf<1>;
   for (std::size_t i = 0; i < n; ++i) {
-    float s[Opt::state_count];
-    for (std::size_t j = 0; j < Opt::state_count; ++j) s[j] = state[j][i];
-    float p = params[i];
-    Opt::update(p, s, to_float(grads[i]), k);
-    params[i] = p;
-    for (std::size_t j = 0; j < Opt::state_count; ++j) state[j][i] = s[j];
-    if (working_out != nullptr) working_out[i] = from_float<W>(p);
+    V s[Opt::state_count > 0 ? Opt::state_count : 1];
+    for (std::size_t j = 0; j < Opt::state_count; ++j) s[j] = V{state[j][i]};
+    V p{params[i]};
+    Opt::update(p, s, V{to_float(grads[i])}, k);
+    params[i] = p.v;
+    for (std::size_t j = 0; j < Opt::state_count; ++j) state[j][i] = s[j].v;
+    if (working_out != nullptr) working_out[i] = from_float<W>(p.v);
   }
 }
 

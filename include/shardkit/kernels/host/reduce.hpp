@@ -10,11 +10,13 @@
 #include <shardkit/config.hpp>
 #include <shardkit/core/dtype.hpp>
 #include <shardkit/core/reduce_op.hpp>
+#include <shardkit/kernels/host/parallel.hpp>
 #include <shardkit/kernels/host/simd.hpp>
 
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 SHARDKIT_NAMESPACE_BEGIN
 namespace host {
@@ -34,39 +36,35 @@ constexpr T add_wrapping(T a, T b) noexcept {
 
 template <class T, reduce_op Op>
 struct reduce_kernel {
-  SHARDKIT_FORCEINLINE static simd::vfloat combine(simd::vfloat acc, simd::vfloat x) {
+  template <int W>
+  SHARDKIT_FORCEINLINE static simd::vf<W> combine(simd::vf<W> acc, simd::vf<W> x) {
     if constexpr (Op == reduce_op::sum || Op == reduce_op::avg) {
       return acc + x;
     } else {
-      if constexpr (Op == reduce_op::max) {
-        simd::stdx::where(x > acc, acc) = x;
-      } else {
-        simd::stdx::where(x < acc, acc) = x;
-      }
-      simd::stdx::where(simd::stdx::isnan(x), acc) = x;  // NaN wins, as in IEEE max/min of NCCL
-      return acc;
+      const auto take = Op == reduce_op::max ? x > acc : x < acc;
+      return simd::select(take | isnan(x), x, acc);  // NaN wins, as in IEEE max/min of NCCL
     }
   }
 
-  SHARDKIT_FORCEINLINE static void one(const T* const* in, std::size_t k, T* out, std::size_t i,
-                                       std::size_t len) {
-    const bool full = len == simd::width;
-    simd::vfloat acc = full ? simd::load(in[0] + i) : simd::load_partial(in[0] + i, len);
+  template <class Isa>
+  SHARDKIT_FORCEINLINE static simd::vf<Isa::width> one(const T* const* in, std::size_t k,
+                                                       std::size_t i, std::size_t len) {
+    const bool full = len == Isa::width;
+    auto acc = full ? simd::load<Isa>(in[0] + i) : simd::load_partial<Isa>(in[0] + i, len);
     for (std::size_t q = 1; q < k; ++q) {
-      acc = combine(acc, full ? simd::load(in[q] + i) : simd::load_partial(in[q] + i, len));
+      acc =
+          combine(acc, full ? simd::load<Isa>(in[q] + i) : simd::load_partial<Isa>(in[q] + i, len));
     }
     if constexpr (Op == reduce_op::avg) acc = acc / static_cast<float>(k);
-    if (full)
-      simd::store(out + i, acc);
-    else
-      simd::store_partial(out + i, acc, len);
+    return acc;
   }
 
+  template <class Isa>
   SHARDKIT_FORCEINLINE static void run(const T* const* in, std::size_t k, T* out, std::size_t n) {
-    constexpr std::size_t L = simd::width;
+    constexpr std::size_t L = Isa::width;
     std::size_t i = 0;
-    for (; i + L <= n; i += L) one(in, k, out, i, L);
-    if (i < n) one(in, k, out, i, n - i);
+    for (; i + L <= n; i += L) simd::store<Isa>(out + i, one<Isa>(in, k, i, L));
+    if (i < n) simd::store_partial<Isa>(out + i, one<Isa>(in, k, i, n - i), n - i);
   }
 };
 }  // namespace detail
@@ -110,13 +108,31 @@ void reduce_ordered(const T* const* in, std::size_t k, T* out, std::size_t n, re
   }
 }
 
+//! Elements per thread below which the parallel reduction uses fewer threads.
+inline constexpr std::size_t reduce_grain = 65536;
+
+//! reduce_ordered on the threads of `exec` (nullptr: the caller's only): the same bits, each
+//! thread reducing a contiguous piece of every input in the same rank order.
+template <element_type T>
+void parallel_reduce_ordered(executor* exec, const T* const* in, std::size_t k, T* out,
+                             std::size_t n, reduce_op op) {
+  if (n == 0 || k == 0) return;
+  parallel_for(exec, n, reduce_grain, [&](std::size_t b, std::size_t e) {
+    if (b == 0 && e == n) return reduce_ordered(in, k, out, n, op);
+    std::vector<const T*> piece(k);
+    for (std::size_t q = 0; q < k; ++q) piece[q] = in[q] + b;
+    reduce_ordered(piece.data(), k, out + b, e - b, op);
+  });
+}
+
 //! reduce_ordered for an element type known at run time: `in` holds k pointers to arrays of n
 //! elements of type `t`. Every communicator reduces through this one function, so they agree
 //! bit for bit.
-inline void reduce_ordered(dtype t, const void* const* in, std::size_t k, void* out, std::size_t n,
-                           reduce_op op) {
+inline void parallel_reduce_ordered(executor* exec, dtype t, const void* const* in, std::size_t k,
+                                    void* out, std::size_t n, reduce_op op) {
   auto run = [&]<class T>(T*) {
-    reduce_ordered(reinterpret_cast<const T* const*>(in), k, static_cast<T*>(out), n, op);
+    parallel_reduce_ordered(exec, reinterpret_cast<const T* const*>(in), k, static_cast<T*>(out), n,
+                            op);
   };
   switch (t) {
     case dtype::f32:
@@ -138,6 +154,14 @@ inline void reduce_ordered(dtype t, const void* const* in, std::size_t k, void* 
     case dtype::u64:
       return run(static_cast<std::uint64_t*>(nullptr));
   }
+}
+
+//! reduce_ordered for an element type known at run time (see parallel_reduce_ordered): `in`
+//! holds k pointers to arrays of n elements of type `t`. Every communicator reduces through this
+//! one function, so they agree bit for bit.
+inline void reduce_ordered(dtype t, const void* const* in, std::size_t k, void* out, std::size_t n,
+                           reduce_op op) {
+  parallel_reduce_ordered(nullptr, t, in, k, out, n, op);
 }
 
 }  // namespace host

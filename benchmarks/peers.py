@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""shardkit's host optimizer step against its peers, side by side in one process: the same
+sizes, the same thread count, tensors allocated the same way (by torch), interleaved repetitions
+(each repetition runs every contender in turn, starting with a different one each time).
+scripts/bench --peers runs it once per thread count in the peers' virtual environment.
+
+Contenders (AdamW, lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.01):
+  shardkit_fp32        host::parallel_fused_step<adamw, float, float> (benchmarks/peer_step.cpp):
+                       fp32 params, grads, moments; 28 bytes/element
+  torch_fused          torch.optim.AdamW(fused=True)
+  torch_foreach        torch.optim.AdamW(foreach=True)
+  torch_forloop        torch.optim.AdamW(foreach=False)
+  deepspeed_fp32       deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True), fp32
+  shardkit_bf16        mixed precision: bf16 grads in, fp32 master/m/v, bf16 copy out (28 B/elem)
+  deepspeed_fp32_copy  DeepSpeed's fp32 step, then the bf16 copy of the params (ZeRO-Offload's
+                       pattern: DeepSpeedCPUAdam 0.19 no longer writes the 16-bit copy itself)
+  deepspeed_bf16       DeepSpeed's own 16-bit mode: bf16 params and grads, fp32 moments, no fp32
+                       master (22 bytes/element; a weaker algorithm, listed for completeness)
+
+Prints one JSON document: {"meta": ..., "results": [{"n", "threads", "name", "seconds",
+"gelems", "cpu_seconds"}]}; seconds is the median over repetitions of each repetition's median
+step time (wall clock); cpu_seconds the same for the CPU time of the calling thread, which on one
+thread is the whole step (every contender runs it on the caller) and, unlike the wall clock, does
+not count the time other processes hold the core.
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", required=True, help="libshardkit_peer_step.so")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sizes", default="16777216,33554432")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
+    ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--out", help="write the JSON here (default: stdout)")
+    args = ap.parse_args()
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    lib = ctypes.CDLL(os.path.abspath(args.lib))
+    lib.shardkit_peer_team.restype = ctypes.c_void_p
+    lib.shardkit_peer_team.argtypes = [ctypes.c_int]
+    lib.shardkit_peer_team_free.argtypes = [ctypes.c_void_p]
+    lib.shardkit_peer_isa.restype = ctypes.c_char_p
+    f = ctypes.c_float
+    ptr = ctypes.c_void_p
+    lib.shardkit_peer_adamw_fp32.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_size_t,
+                                             ctypes.c_uint64, f, f, f, f, f]
+    lib.shardkit_peer_adamw_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_size_t,
+                                             ctypes.c_uint64, f, f, f, f, f]
+    team = lib.shardkit_peer_team(args.threads)
+
+    ds = None
+    ds_version = None
+    if not args.no_deepspeed:
+        try:
+            os.environ.setdefault("DS_SKIP_CUDA_CHECK", "1")
+            import deepspeed
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            ds = DeepSpeedCPUAdam
+            ds_version = deepspeed.__version__
+        except Exception as e:  # reported, not fatal: torch still runs
+            print(f"peers.py: DeepSpeed unavailable ({e}); skipping it", file=sys.stderr)
+
+    lr, b1, b2, eps, wd = 1e-4, 0.9, 0.999, 1e-8, 0.01
+    results = []
+    for n in [int(x) for x in args.sizes.split(",") if x]:
+        gen = torch.Generator().manual_seed(1)
+        p0 = torch.rand(n, generator=gen) - 0.5
+        g0 = (torch.rand(n, generator=gen) - 0.5) * 1e-2
+        contenders = {}
+
+        def shardkit_fp32():
+            p, g = p0.clone(), g0.clone()
+            m, v = torch.zeros(n), torch.zeros(n)
+            t = [0]
+
+            def step():
+                t[0] += 1
+                lib.shardkit_peer_adamw_fp32(team, p.data_ptr(), m.data_ptr(), v.data_ptr(),
+                                             g.data_ptr(), n, t[0], lr, b1, b2, eps, wd)
+            return step
+
+        def shardkit_bf16():
+            p, g = p0.clone(), g0.to(torch.bfloat16)
+            m, v = torch.zeros(n), torch.zeros(n)
+            out = torch.empty(n, dtype=torch.bfloat16)
+            t = [0]
+
+            def step():
+                t[0] += 1
+                lib.shardkit_peer_adamw_bf16(team, p.data_ptr(), m.data_ptr(), v.data_ptr(),
+                                             g.data_ptr(), out.data_ptr(), n, t[0], lr, b1, b2,
+                                             eps, wd)
+            return step
+
+        def torch_adamw(**kw):
+            def make():
+                prm = torch.nn.Parameter(p0.clone())
+                prm.grad = g0.clone()
+                opt = torch.optim.AdamW([prm], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd,
+                                        **kw)
+                return opt.step
+            return make
+
+        def deepspeed(dtype=torch.float32, copy=False):
+            def make():
+                prm = torch.nn.Parameter(p0.clone().to(dtype))
+                prm.grad = g0.clone().to(dtype)
+                opt = ds([prm], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, adamw_mode=True)
+                if not copy:
+                    return opt.step
+                out = torch.empty(n, dtype=torch.bfloat16)
+
+                def step():
+                    opt.step()
+                    out.copy_(prm.data)
+                return step
+            return make
+
+        contenders["shardkit_fp32"] = shardkit_fp32
+        contenders["torch_fused"] = torch_adamw(fused=True)
+        contenders["torch_foreach"] = torch_adamw(foreach=True)
+        contenders["torch_forloop"] = torch_adamw(foreach=False)
+        contenders["shardkit_bf16"] = shardkit_bf16
+        if ds is not None:
+            contenders["deepspeed_fp32"] = deepspeed()
+            contenders["deepspeed_fp32_copy"] = deepspeed(copy=True)
+            contenders["deepspeed_bf16"] = deepspeed(dtype=torch.bfloat16)
+        steps = {name: make() for name, make in contenders.items()}
+        for s in steps.values():  # warm-up: first touch, lazy state, op loading
+            s()
+        per_rep = {name: [] for name in steps}
+        per_rep_cpu = {name: [] for name in steps}
+        names = list(steps)
+        for rep in range(args.reps):
+            order = names[rep % len(names):] + names[:rep % len(names)]
+            for name in order:
+                times, cpu = [], []
+                for _ in range(args.steps):
+                    c0, t0 = time.thread_time(), time.perf_counter()
+                    steps[name]()
+                    times.append(time.perf_counter() - t0)
+                    cpu.append(time.thread_time() - c0)
+                per_rep[name].append(statistics.median(times))
+                per_rep_cpu[name].append(statistics.median(cpu))
+        for name in names:
+            sec = statistics.median(per_rep[name])
+            results.append({"n": n, "threads": args.threads, "name": name, "seconds": sec,
+                            "gelems": n / sec / 1e9, "reps": per_rep[name],
+                            "cpu_seconds": statistics.median(per_rep_cpu[name])})
+        del steps, contenders
+
+    lib.shardkit_peer_team_free(team)
+    doc = {"meta": {"torch": torch.__version__, "deepspeed": ds_version,
+                    "shardkit_isa": lib.shardkit_peer_isa().decode(),
+                    "python": platform.python_version(), "threads": args.threads,
+                    "reps": args.reps, "steps": args.steps},
+           "results": results}
+    text = json.dumps(doc, indent=1)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
