@@ -133,11 +133,11 @@ std::uint64_t at_least(std::string_view flag, std::string_view text, std::uint64
 //! unknown, not as missing its value).
 bool takes_value(std::string_view flag) {
   constexpr std::string_view valued[] = {
-      "--params",      "--units",         "--largest-unit", "--ranks",      "--gpu-mem",
-      "--dtype",       "--grad-dtype",    "--optimizer",    "--hybrid",     "--micro-batches",
-      "--grad-buffers", "--alignment",    "--prefetch",     "--persist-below", "--max-live",
-      "--headroom",    "--activations",   "--gpus-per-node", "--intra-bw",  "--inter-bw",
-      "--alpha",       "--intra-alpha",   "--inter-alpha",  "--rank"};
+      "--params",       "--units",       "--largest-unit",  "--ranks",         "--gpu-mem",
+      "--dtype",        "--grad-dtype",  "--optimizer",     "--hybrid",        "--micro-batches",
+      "--grad-buffers", "--alignment",   "--prefetch",      "--persist-below", "--max-live",
+      "--headroom",     "--activations", "--gpus-per-node", "--intra-bw",      "--inter-bw",
+      "--alpha",        "--intra-alpha", "--inter-alpha",   "--rank"};
   for (const auto v : valued)
     if (flag == v) return true;
   return false;
