@@ -24,6 +24,7 @@
 //
 // The same binary does both: it initialises MPI only when an MPI launcher started it
 // (shardkit::launched_by_mpi()), and it is built without MPI where shardkit::mpi is missing.
+#include <shardkit/core/hash.hpp>
 #include <shardkit/shardkit.hpp>
 #if defined(SHARDKIT_EXAMPLE_IO)
 #include <shardkit/io/checkpoint.hpp>

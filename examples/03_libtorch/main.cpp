@@ -21,6 +21,7 @@
 //   shardkit_example_03_libtorch --resume ckpt --steps 10 --json  (10 more steps)
 //   shardkit_example_03_libtorch --export model.safetensors       (the weights, one file)
 #include <shardkit/adapters/torch.hpp>
+#include <shardkit/core/hash.hpp>
 #include <shardkit/shardkit.hpp>
 #if defined(SHARDKIT_EXAMPLE_IO)
 #include <shardkit/io/checkpoint.hpp>
