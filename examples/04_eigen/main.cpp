@@ -40,10 +40,15 @@ struct config {
   bool json = false;
 };
 
+constexpr const char* usage_text =
+    "usage: shardkit_example_04_eigen [--stage 0|1|2|3] [--ranks N] [--steps K]\n"
+    "         [--dtype fp32|bf16] [--hidden H] [--batch GLOBAL_BATCH] [--json]\n"
+    "  --batch is the global batch: the samples of one step over all ranks (a multiple of\n"
+    "  --ranks, split evenly)\n";
+
+//! A command line that cannot be used: the reason and the usage on stderr, exit status 2.
 [[noreturn]] void usage(const std::string& why) {
-  std::cerr << "error: " << why << "\n"
-            << "usage: shardkit_example_04_eigen [--stage 0|1|2|3] [--ranks N] [--steps K]\n"
-               "         [--dtype fp32|bf16] [--hidden H] [--batch GLOBAL_BATCH] [--json]\n";
+  std::cerr << "error: " << why << "\n" << usage_text;
   std::exit(2);
 }
 
@@ -74,9 +79,10 @@ config parse(int argc, char** argv) {
       if (c.dtype != "fp32" && c.dtype != "bf16") usage("--dtype must be fp32 or bf16");
     } else if (a == "--json")
       c.json = true;
-    else if (a == "--help" || a == "-h")
-      usage("help requested");
-    else
+    else if (a == "--help" || a == "-h") {
+      std::fputs(usage_text, stdout);  // asked for: the usage on stdout, exit status 0
+      std::exit(0);
+    } else
       usage("unknown argument '" + a + "'");
   }
   if (c.batch % c.ranks != 0) {

@@ -129,6 +129,20 @@ std::uint64_t at_least(std::string_view flag, std::string_view text, std::uint64
   return v;
 }
 
+//! Whether `flag` is one of the options that take a value (so a flag that is not is reported as
+//! unknown, not as missing its value).
+bool takes_value(std::string_view flag) {
+  constexpr std::string_view valued[] = {
+      "--params",       "--units",       "--largest-unit",  "--ranks",         "--gpu-mem",
+      "--dtype",        "--grad-dtype",  "--optimizer",     "--hybrid",        "--micro-batches",
+      "--grad-buffers", "--alignment",   "--prefetch",      "--persist-below", "--max-live",
+      "--headroom",     "--activations", "--gpus-per-node", "--intra-bw",      "--inter-bw",
+      "--alpha",        "--intra-alpha", "--inter-alpha",   "--rank"};
+  for (const auto v : valued)
+    if (flag == v) return true;
+  return false;
+}
+
 options parse(int argc, char** argv) {
   options o;
   double alpha = -1, intra_alpha = -1, inter_alpha = -1;
@@ -151,6 +165,7 @@ options parse(int argc, char** argv) {
       continue;
     }
     if (a.substr(0, 2) != "--") bad("unexpected argument '" + std::string(a) + "' (see --help)");
+    if (!takes_value(a)) bad("unknown argument '" + std::string(a) + "' (see --help)");
     if (i + 1 >= argc) bad(std::string(a) + ": missing value (see --help)");
     const std::string_view v = argv[++i];
     if (a == "--params") {

@@ -130,7 +130,7 @@ inline std::uint64_t parse_count(std::string_view flag, std::string_view text) {
            "'; expected a count such as 7e9, 7G, 200M, 1.5k or 64Ki");
 }
 
-//! Bytes: a number with a unit B, kB (or KB), MB, GB, TB, PB (powers of 1000, as FACTS.md's
+//! Bytes: a number with a unit B, kB (or KB), MB, GB, TB, PB (powers of 1000:
 //! GB = 1e9 bytes) or KiB, MiB, GiB, TiB, PiB (powers of 1024).
 inline std::uint64_t parse_bytes(std::string_view flag, std::string_view text) {
   const decimal d = split_decimal(flag, text);

@@ -184,7 +184,7 @@ TEMPLATE_TEST_CASE("a dropped work handle waits for its collective before return
   }
 }
 
-TEMPLATE_TEST_CASE("split forms sub-groups ordered by key; the parent keeps working",
+TEMPLATE_TEST_CASE("split forms sub-groups ordered by key while the parent keeps working",
                    "[comm][split]", SHARDKIT_TEST_WORLDS) {
   using World = TestType;
   using Comm = typename World::comm_type;

@@ -69,7 +69,7 @@ TEST_CASE("single group: S = ceil(psi / N), padding at the end", "[layout]") {
   }
 }
 
-TEST_CASE("FACTS.md: MLP 64-256-10 on 4 ranks has S = 4,803", "[layout][facts]") {
+TEST_CASE("docs/accounting.md: MLP 64-256-10 on 4 ranks has S = 4,803", "[layout][facts]") {
   const std::vector<std::size_t> sizes{64 * 256, 256, 256 * 10, 10};
   const auto L = flat_layout::single_group(sizes, 4);
   REQUIRE(L.numel() == 19'210);
@@ -86,6 +86,38 @@ TEST_CASE("alignment rounds every rank's slice up", "[layout]") {
   REQUIRE(L.padded_numel() == 24);
   REQUIRE(L.shard_range(2, 0) == index_range{16, 8});
   check_cover(L);
+}
+
+namespace {
+// The pieces of parameter i, as {rank, param_offset, shard_offset, full_offset, count} rows.
+std::vector<std::vector<std::size_t>> rows_of(const flat_layout& L, std::size_t i) {
+  std::vector<std::vector<std::size_t>> rows;
+  for (const auto& pc : L.pieces_of(i)) {
+    REQUIRE(pc.param == i);
+    rows.push_back({static_cast<std::size_t>(pc.rank), pc.param_offset, pc.shard_offset,
+                    pc.full_offset, pc.count});
+  }
+  return rows;
+}
+using rows = std::vector<std::vector<std::size_t>>;
+}  // namespace
+
+TEST_CASE("pieces_of: offsets worked out by hand", "[layout]") {
+  SECTION("one group of {10, 7} on 3 ranks, alignment 4: S = 8, full buffer 24") {
+    // Rank r owns [8r, 8r + 8) of the full buffer; parameter 1 starts at element 10.
+    const auto L = flat_layout::single_group(std::vector<std::size_t>{10, 7}, 3, 4);
+    //                 rank  param_off  shard_off  full_off  count
+    CHECK(rows_of(L, 0) == rows{{0, 0, 0, 0, 8}, {1, 8, 0, 8, 2}});
+    CHECK(rows_of(L, 1) == rows{{1, 0, 2, 10, 6}, {2, 6, 0, 16, 1}});
+  }
+  SECTION("groups {3} and {5, 4} on 2 ranks: S_0 = 2, S_1 = 5, shards concatenated") {
+    // Group 0 takes full elements [0, 4) and shard elements [0, 2); group 1 full [4, 14) and
+    // shard [2, 7). Parameter 1 fills rank 0's slice of group 1, parameter 2 rank 1's.
+    const flat_layout L(std::vector<std::size_t>{3, 5, 4}, std::vector<std::size_t>{0, 1}, 2);
+    CHECK(rows_of(L, 0) == rows{{0, 0, 0, 0, 2}, {1, 2, 0, 2, 1}});
+    CHECK(rows_of(L, 1) == rows{{0, 0, 2, 4, 5}});
+    CHECK(rows_of(L, 2) == rows{{1, 0, 2, 9, 4}});
+  }
 }
 
 TEST_CASE("groups: each padded on its own, shards concatenated", "[layout]") {

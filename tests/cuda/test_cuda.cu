@@ -1074,8 +1074,6 @@ TEST_CASE("thread communicator on device memory refuses host buffers", "[thread_
                       Catch::Contains("is not device memory"));
 }
 
-#if defined(SHARDKIT_TEST_NCCL)
-
 // ---- the ZeRO engine on device memory --------------------------------------------------------
 // The training run of cuda/engine_case.hpp on the device engine over thread_cuda_comm (each rank
 // with its own non-blocking compute stream) and on the host engine over thread_comm: every
@@ -1216,6 +1214,9 @@ TEST_CASE("engine on device memory, ZeRO-2: equal to the host engine bit for bit
 TEST_CASE("engine on device memory, ZeRO-3: equal to the host engine bit for bit", "[engine]") {
   check_engine_stage<zero3>();
 }
+
+// ---- NCCL (built where NCCL was found) -------------------------------------------------------
+#if defined(SHARDKIT_TEST_NCCL)
 
 namespace {
 int nccl_ranks() {

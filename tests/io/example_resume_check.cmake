@@ -2,8 +2,9 @@
 # run's losses are the uninterrupted run's last ones and its final parameters have the same bits
 # (params_hash). Then it resumes onto another world size and stage, and exports. Every command's
 # exit status is checked. Usage: cmake -DEXE=<example> -DDIR=<scratch dir> -DSTAGE=s
-#   -DRANKS=n [-DOTHER_STAGE=t -DOTHER_RANKS=m] [-DDTYPE=bf16] [-DLOSSES=losses]
-#   -P example_resume_check.cmake      (example 03 reports "losses_shardkit")
+#   -DRANKS=n [-DOTHER_STAGE=t -DOTHER_RANKS=m] [-DDTYPE=bf16] [-DLOSSES=losses] [-DBATCH=b]
+#   -P example_resume_check.cmake      (example 03 reports "losses_shardkit"; BATCH is the
+#                                       global batch, which every world size must divide)
 function(run out_var)
   execute_process(COMMAND "${EXE}" ${ARGN} OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
   if(NOT rc EQUAL 0)
@@ -18,7 +19,11 @@ if(NOT LOSSES)
   set(LOSSES losses)
 endif()
 file(REMOVE_RECURSE "${DIR}")
-set(common --stage ${STAGE} --ranks ${RANKS} --dtype ${DTYPE} --json)
+set(batch "")
+if(BATCH)
+  set(batch --batch ${BATCH})
+endif()
+set(common --stage ${STAGE} --ranks ${RANKS} --dtype ${DTYPE} --json ${batch})
 run(whole ${common} --steps 6)
 run(first ${common} --steps 3 --save "${DIR}/ckpt")
 run(second ${common} --steps 3 --resume "${DIR}/ckpt")
@@ -40,7 +45,7 @@ foreach(i 0 1 2)
   endif()
 endforeach()
 if(OTHER_STAGE)
-  run(other --stage ${OTHER_STAGE} --ranks ${OTHER_RANKS} --dtype ${DTYPE} --json --steps 2
+  run(other --stage ${OTHER_STAGE} --ranks ${OTHER_RANKS} --dtype ${DTYPE} --json ${batch} --steps 2
       --resume "${DIR}/ckpt" --export "${DIR}/model.safetensors")
   string(JSON start GET "${other}" first_step)
   string(JSON l0 GET "${other}" ${LOSSES} 0)

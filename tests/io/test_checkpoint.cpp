@@ -157,7 +157,7 @@ TEMPLATE_TEST_CASE("a checkpoint loads onto another world size and stage, every 
   }
 }
 
-TEMPLATE_TEST_CASE("an asynchronous save holds the state of its start; training goes on",
+TEMPLATE_TEST_CASE("an asynchronous save holds the state of its start while training goes on",
                    "[io][checkpoint][async]", SHARDKIT_TEST_WORLDS) {
   using World = TestType;
   if (!test::fits<World>(3)) return;

@@ -150,7 +150,8 @@ TEST_CASE("accumulate adds in fp32 and rounds once", "[kernels][convert]") {
 }
 
 namespace {
-// Independent reference: FACTS.md's Adam(W), in double, one element.
+// Independent reference: the textbook Adam(W) (bias-corrected moments; AdamW's decay decoupled), in
+// double, one element.
 struct ref_adam {
   double p, m = 0, v = 0;
   void step(double g, int t, const adam_options& o, bool decoupled, double scale) {

@@ -1,5 +1,5 @@
-// The planner (include/shardkit/plan/) on numbers computed by hand: FACTS.md's worked examples
-// (as static_asserts: the planner is constexpr), the padding rules, the ZeRO-3 and hybrid
+// The planner (include/shardkit/plan/) on numbers computed by hand: docs/accounting.md's worked
+// examples (as static_asserts: the planner is constexpr), the padding rules, the ZeRO-3 and hybrid
 // specifications of docs/accounting.md, the alpha-beta time model and the recommendation.
 #include <shardkit/core/layout.hpp>
 #include <shardkit/plan/planner.hpp>
@@ -26,7 +26,7 @@ constexpr plan::setup make(int stage, std::uint64_t ranks,
 
 constexpr std::uint64_t GB = 1'000'000'000;
 
-// ---- FACTS.md, bytes held per rank (bf16 + fp32 master + Adam: 16 bytes per parameter) -------
+// ---- docs/accounting.md, bytes held per rank (bf16 + fp32 master + Adam: 16 B/parameter) --
 constexpr std::uint64_t psi7 = 7'000'000'000;
 static_assert(plan::memory_per_rank(make(0, 8), psi7).model_state().total() == 112 * GB);
 static_assert(plan::memory_per_rank(make(1, 8), psi7).model_state().total() == 38'500'000'000);
@@ -50,7 +50,7 @@ static_assert(master_and_moments(plan::memory_per_rank(make(1, 4), mlp_psi)) == 
 static_assert(master_and_moments(plan::memory_per_rank(make(2, 4), mlp_psi)) == 57'636);
 static_assert(master_and_moments(plan::memory_per_rank(make(3, 4), mlp_psi)) == 57'636);
 
-// ---- FACTS.md, bytes sent per rank per step: 2(N-1)/N·2Ψ for stages 0-2, 1.5× for stage 3 ------
+// ---- docs/accounting.md, bytes sent per rank per step: 2(N-1)/N·2Ψ (0-2), 1.5× for stage 3 --
 static_assert(plan::bytes_sent_per_step(make(0, 8), psi7).total() == 24'500'000'000);
 static_assert(plan::bytes_sent_per_step(make(1, 8), psi7).total() == 24'500'000'000);
 static_assert(plan::bytes_sent_per_step(make(2, 8), psi7).total() == 24'500'000'000);
@@ -81,9 +81,27 @@ static_assert(report.recommended == 1 && report.stages[1].memory.total() == 38'5
 
 }  // namespace
 
+TEST_CASE("planner: the padded shard S = round_up(ceil(psi / N), alignment), by hand") {
+  // docs/accounting.md, "Layout and padding"; each value worked out by hand.
+  CHECK(plan::shard_elems(19'210, 4, 1) == 4'803);       // 19210 / 4 = 4802.5
+  CHECK(plan::shard_elems(19'210, 4, 8) == 4'808);       // 4803 up to a multiple of 8
+  CHECK(plan::shard_elems(19'210, 1, 1) == 19'210);      // one rank holds everything
+  CHECK(plan::shard_elems(5, 8, 1) == 1);                // fewer elements than ranks
+  CHECK(plan::shard_elems(1, 64, 8) == 8);               // one element, padded to the alignment
+  CHECK(plan::shard_elems(1'000'003, 7, 1) == 142'858);  // 142857.57...
+  CHECK(plan::shard_elems(1'000'003, 7, 8) == 142'864);  // 17858 x 8
+  CHECK(plan::shard_elems(1'000'003, 64, 8) == 15'632);  // 15626 up to 1954 x 8
+  CHECK(plan::shard_elems(7'000'000'000, 8, 1) == 875'000'000);
+}
+
 TEST_CASE("planner: single-unit memory and traffic equal formulas.hpp's closed forms") {
   // formulas.hpp is what the engine reports as expected_state_bytes(); the planner generalises
-  // it and must agree on one group.
+  // it and must agree on one group. S comes from the specification (docs/accounting.md), not
+  // from plan::shard_elems, which the planner itself uses.
+  const auto spec_shard = [](std::uint64_t psi, std::uint64_t n, std::uint64_t a) {
+    const std::uint64_t per_rank = (psi + n - 1) / n;  // ceil(psi / N)
+    return (per_rank + a - 1) / a * a;                 // rounded up to the alignment
+  };
   for (int stage = 0; stage <= 3; ++stage) {
     for (std::uint64_t n : {1u, 2u, 3u, 4u, 7u, 8u, 64u}) {
       for (std::uint64_t psi : {1u, 2u, 5u, 19'210u, 1'000'003u}) {
@@ -93,7 +111,7 @@ TEST_CASE("planner: single-unit memory and traffic equal formulas.hpp's closed f
             auto s = make(stage, n, p);
             s.alignment = a;
             INFO("stage " << stage << " N " << n << " psi " << psi << " alignment " << a);
-            const std::uint64_t S = stage == 0 ? psi : plan::shard_elems(psi, n, a);
+            const std::uint64_t S = stage == 0 ? psi : spec_shard(psi, n, a);
             CHECK(plan::memory_per_rank(s, psi).model_state() ==
                   plan::model_state_bytes(stage, psi, n, S, p));
             for (std::uint64_t r = 0; r < n; ++r) {

@@ -1,6 +1,7 @@
 // The independent, unsharded reference every engine test is checked against: Adam/AdamW in
-// double precision written from FACTS.md (not from the library's kernels), an independent
-// round-to-nearest-even, deterministic gradients and initial values, and FACTS.md's formulas.
+// double precision written from the algorithms' definitions (not from the library's kernels), an
+// independent round-to-nearest-even, deterministic gradients and initial values, and
+// docs/accounting.md's formulas.
 #pragma once
 
 #include <shardkit/core/dtype.hpp>
@@ -54,7 +55,7 @@ double round_to(double x) {
     return round_bits(x, 24);
 }
 
-//! FACTS.md's Adam(W), unsharded, in double.
+//! Adam(W) as defined (bias-corrected moments; AdamW's decay decoupled), unsharded, in double.
 struct adam {
   struct hyper {
     double lr, beta1, beta2, eps, weight_decay;
@@ -94,8 +95,8 @@ inline double inf_norm(const std::vector<double>& g) {
   return s;
 }
 
-//! FACTS.md: bytes of model state per rank, with S the padded shard and N·S the padded full
-//! buffer. w: bytes per working parameter and gradient; master: 4 or 0; k: optimizer state.
+//! docs/accounting.md: bytes of model state per rank, with S the padded shard and N·S the padded
+//! full buffer. w: bytes per working parameter and gradient; master: 4 or 0; k: optimizer state.
 struct state_bytes {
   std::uint64_t working, grads, master, moments;
 };
@@ -129,7 +130,7 @@ inline std::uint64_t all_reduce_bytes(std::uint64_t n, std::uint64_t ranks, std:
   return (2 * n - chunk(r) - chunk((r + 1) % ranks)) * w;
 }
 
-//! FACTS.md: bytes rank r sends per step. Stage 0 all-reduces Ψ elements with the ring
+//! docs/accounting.md: bytes rank r sends per step. Stage 0 all-reduces Ψ elements with the ring
 //! algorithm's chunks (2(N-1)/N·wΨ when N divides Ψ); stages 1 and 2 reduce-scatter and
 //! all-gather N·S elements.
 inline std::uint64_t facts_step_bytes(int stage, std::uint64_t psi, std::uint64_t n,

@@ -292,7 +292,7 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
           }
         }
         check(rep.bytes_sent == want, "step ", t, " sent ", rep.bytes_sent,
-              " bytes, FACTS formula says ", want);
+              " bytes, the closed-form formula says ", want);
       }
       // The reference's gradient: per element, the data-parallel mean of what the ranks
       // contributed, with the 16-bit roundings the specification prescribes (local
@@ -399,15 +399,15 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
     check(out.max_err <= cfg.tolerance, "parameters differ from the unsharded reference by ",
           out.max_err, " (tolerance ", cfg.tolerance, ")");
 
-    // Ledger: bytes held equal FACTS.md's formulas with exact padding.
+    // Ledger: bytes held equal docs/accounting.md's formulas with exact padding.
     const auto want = ref::facts_bytes(stage, psi, n, S, w, gw, engine_t::has_master ? 4 : 0,
                                        4 * Opt::state_count);
     const auto got = eng.measured_state_bytes();
     check(got.working_params == want.working && got.grads == want.grads &&
               got.master_params == want.master && got.optimizer_moments == want.moments,
           "ledger holds (", got.working_params, ", ", got.grads, ", ", got.master_params, ", ",
-          got.optimizer_moments, ") bytes; FACTS says (", want.working, ", ", want.grads, ", ",
-          want.master, ", ", want.moments, ")");
+          got.optimizer_moments, ") bytes; the formula says (", want.working, ", ", want.grads,
+          ", ", want.master, ", ", want.moments, ")");
     check(got == eng.expected_state_bytes(), "plan/formulas.hpp disagrees with the ledger");
     if constexpr (stage == 3) {
       // Gathered parameters never exceed (1 + prefetch) x the largest unit, plus the

@@ -1,7 +1,7 @@
 // ZeRO stages 0-3 against the independent unsharded reference, bit-identity between stages,
-// hybrid sharding, the ledger against FACTS.md's formulas, and micro-batch accumulation. Written
-// once over a World: test_engine runs them on the thread communicator, test_engine_mpi on mpi_comm
-// under mpiexec (cases with more ranks than the MPI job are skipped with a warning).
+// hybrid sharding, the ledger against docs/accounting.md's formulas, and micro-batch accumulation.
+// Written once over a World: test_engine runs them on the thread communicator, test_engine_mpi on
+// mpi_comm under mpiexec (cases with more ranks than the MPI job are skipped with a warning).
 #include "zero/engine_harness.hpp"
 
 #include <catch2/catch.hpp>
@@ -85,7 +85,7 @@ TEMPLATE_TEST_CASE("stages 0-3 match the unsharded reference and each other bit 
   }
 }
 
-TEMPLATE_TEST_CASE("FACTS.md worked numbers: MLP 64-256-10 on 4 ranks", "[engine][facts]",
+TEMPLATE_TEST_CASE("docs/accounting.md worked numbers: MLP 64-256-10 on 4 ranks", "[engine][facts]",
                    SHARDKIT_TEST_WORLDS) {
   using World = TestType;
   using Comm = typename World::comm_type;

@@ -192,7 +192,7 @@ TEST_CASE("micro-batch boundaries are checked", "[training][accumulation][errors
   }
 }
 
-TEMPLATE_TEST_CASE("parameter groups get their own lr and weight decay; a schedule scales them",
+TEMPLATE_TEST_CASE("parameter groups get their own lr and weight decay and a schedule scales them",
                    "[training][groups]", test::thread_world) {
   const int n = GENERATE(1, 3, 4);
   const auto mc = test::model_cases()[GENERATE(0u, 1u, 3u)];

@@ -1,0 +1,58 @@
+# Every Catch2 test that ctest runs must select at least one test case. catch_discover_tests
+# registers one ctest test per test case name, and a name Catch2 cannot match back (CMake
+# splits names at ';', for one) would run nothing: Catch2 v2 then exits 0 and ctest reports
+# Passed. This asks Catch2 itself, with the registered command line plus --list-test-names-only,
+# which test cases each registered test selects, and fails naming every test that selects none.
+#   cmake -DCTEST=<ctest> -DBUILD_DIR=<build dir> -P catch_registration_check.cmake
+# Tests started by an MPI launcher run a whole binary (nothing to select) and are not listed;
+# a binary that exits 77 (no GPU) cannot list its tests and is skipped.
+execute_process(COMMAND "${CTEST}" --show-only=json-v1 WORKING_DIRECTORY "${BUILD_DIR}"
+                OUTPUT_VARIABLE json RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "ctest --show-only=json-v1 failed (${rc})")
+endif()
+string(JSON n LENGTH "${json}" tests)
+math(EXPR last "${n} - 1")
+set(checked 0)
+set(skipped 0)
+set(bad "")
+foreach(i RANGE ${last})
+  string(JSON name GET "${json}" tests ${i} name)
+  string(JSON argc ERROR_VARIABLE no_command LENGTH "${json}" tests ${i} command)
+  if(no_command)
+    continue()
+  endif()
+  math(EXPR argl "${argc} - 1")
+  set(cmd "")
+  set(catch_run FALSE)
+  foreach(k RANGE ${argl})
+    string(JSON a GET "${json}" tests ${i} command ${k})
+    list(APPEND cmd "${a}")
+    if(a STREQUAL "NoTests")
+      set(catch_run TRUE)
+    endif()
+  endforeach()
+  list(GET cmd 0 exe)
+  get_filename_component(exe_name "${exe}" NAME)
+  if(NOT catch_run OR exe_name MATCHES "^(mpiexec|mpirun|orterun|srun)")
+    continue()
+  endif()
+  execute_process(COMMAND ${cmd} --list-test-names-only OUTPUT_VARIABLE listed
+                  ERROR_VARIABLE err RESULT_VARIABLE list_rc TIMEOUT 60)
+  if(list_rc EQUAL 77)
+    math(EXPR skipped "${skipped} + 1")
+    continue()
+  endif()
+  string(REGEX REPLACE "[\r\n]+" "" flat "${listed}")
+  if(flat STREQUAL "")
+    string(APPEND bad "\n  ${name}")
+  endif()
+  math(EXPR checked "${checked} + 1")
+endforeach()
+if(checked EQUAL 0)
+  message(FATAL_ERROR "no Catch2 test found among the registered tests")
+endif()
+if(NOT bad STREQUAL "")
+  message(FATAL_ERROR "registered tests that select no Catch2 test case:${bad}")
+endif()
+message(STATUS "${checked} registered Catch2 tests each select a test case (${skipped} skipped: no GPU)")
