@@ -2,7 +2,7 @@
 // a device-to-device cudaMemcpyAsync that moves the same number of bytes (read + write counted).
 //
 //   fused_adamw/N      gpu::fused_step<adamw>: bf16 grads, fp32 master/m/v, bf16 working copy
-//                      out: 28 bytes per element (FACTS.md's minimum)
+//                      out: 28 bytes per element (the minimum, docs/accounting.md)
 //   flatten/N          gpu::batched_copy<bf16, bf16>: N elements in 64 tensors of uneven sizes
 //                      into one padded flat buffer: 4 bytes per element
 //   grad_norm/N        gpu::accumulate_stats<bf16>: the exact integer-bin norm, 2 bytes per element

@@ -26,7 +26,7 @@
 //                                     small collective costs beyond synchronising N threads
 //
 // Counters: algbw = B / time and busbw = algbw x factor (2(N-1)/N for all-reduce, (N-1)/N for
-// reduce-scatter and all-gather), both in bytes/s, as nccl-tests defines them (FACTS.md). Each
+// reduce-scatter and all-gather), both in bytes/s, as nccl-tests defines them (docs/accounting.md). Each
 // iteration starts the N rank threads together and waits for all of them (the time is rank 0's
 // wall clock); ranks are persistent threads, as in training.
 #include <shardkit/comm/thread.hpp>

@@ -2,7 +2,7 @@
 // binary and run.
 //
 //  optimizer/adamw_bf16   host::fused_step<adamw>: bf16 gradients, fp32 master/m/v updated in
-//                         place, bf16 working copy written (28 bytes/element, FACTS.md)
+//                         place, bf16 working copy written (28 bytes/element, docs/accounting.md)
 //  optimizer/adamw_fp32   the same with fp32 gradients and fp32 parameters, no 16-bit copy
 //                         (read 4 + 12, write 12: also 28 bytes/element)
 //  optimizer/rmw          baseline, the roofline: one pass over the same bytes (bf16 in, three
