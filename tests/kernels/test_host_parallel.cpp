@@ -108,8 +108,9 @@ struct executors {
 };
 }  // namespace
 
-TEST_CASE("SHARDKIT_HOST_ISA forces a build; unknown values and builds the CPU lacks are errors",
-          "[kernels][isa]") {
+TEST_CASE(
+    "SHARDKIT_HOST_ISA forces a build, and unknown values and builds the CPU lacks are errors",
+    "[kernels][isa]") {
   const std::vector<host::isa> all = host::detail::compiled_isas();
   const std::vector<host::isa> runs = host::available_isas();
   SECTION("unset or empty: the best build this CPU runs") {
