@@ -19,6 +19,16 @@ struct NetImpl : torch::nn::Module {
   std::function<torch::Tensor(std::size_t, const std::function<torch::Tensor()>&)> around;
 };
 inline std::shared_ptr<NetImpl> net;
+// examples/06_gpt's GPT: embeddings, blocks, hooks around the whole forward and each block.
+struct GPTImpl : torch::nn::Module {
+  torch::Tensor wte, wpe;
+  std::vector<std::shared_ptr<torch::nn::Module>> blocks;
+  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
+  std::function<torch::Tensor(const std::function<torch::Tensor()>&)> around_model;
+  std::function<torch::Tensor(std::size_t, const std::function<torch::Tensor()>&)> around_block;
+};
+inline std::shared_ptr<GPTImpl> gpt;
+inline torch::Tensor idx, targets;
 inline std::vector<torch::Tensor> init;  // the initial values, one tensor per parameter
 inline std::size_t i = 0;
 inline int steps = 0;

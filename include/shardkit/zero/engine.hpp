@@ -75,6 +75,7 @@
 #include <shardkit/zero/trace.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -369,8 +370,11 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
     base /= static_cast<double>(control_.loss_scale());
     const double multiplier = control_.decide(ctl, base, rep);
     if (!rep.skipped) {
+      const auto t0 = std::chrono::steady_clock::now();
       optimizer_.step(grads_.gradients(), params_.working(), static_cast<float>(multiplier),
                       lr_scale);
+      rep.optimizer_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       params_.after_step(true);
     } else {
       params_.after_step(false);

@@ -64,6 +64,11 @@ struct step_report {
   float clip_coef = 1.0f;     //!< factor the clipping applied
   float loss_scale = 1.0f;    //!< the loss scale to use for the next step
   bool loss_scale_at_minimum = false;  //!< an overflow happened with the scale at min_scale
+  //! Wall time of the optimizer's update of this rank's shard (0 when skipped; a device engine:
+  //! the time to enqueue it, the device runs it later); the rest of
+  //! step() is communication (the gradients' last reductions, the control exchange, the
+  //! parameters' all-gather) and bookkeeping.
+  double optimizer_seconds = 0.0;
 };
 
 //! Settings of step_control (the engine's engine_options fields of the same names).
