@@ -62,6 +62,7 @@
 #include <shardkit/zero/engine_options.hpp>
 #include <shardkit/zero/engine_reports.hpp>
 #include <shardkit/zero/full_grads.hpp>
+#include <shardkit/zero/initial_values.hpp>
 #include <shardkit/zero/model.hpp>
 #include <shardkit/zero/policies.hpp>
 #include <shardkit/zero/registry.hpp>
@@ -531,53 +532,10 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
     }
   }
 
-  // Initial values of every parameter into the parameters' and the optimizer's buffers: from
-  // the registered tensor (broadcast from rank 0 first when asked), or from the initialiser,
-  // block by block through one host staging block (ledger: io_staging). Under ZeRO-3 a rank
-  // initialises only the pieces it owns, so it never holds more than its shard and the block.
   void load_initial(const model_spec& model) {
-    std::vector<float> tmp;
-    buffer<float, host_space> block;
-    Comm& world = topology_.world();
-    for (std::size_t i = 0; i < model.size(); ++i) {
-      const auto& mp = model[i];
-      const std::size_t n = registry_.numel(i);
-      if (n == 0) continue;
-      if (mp.initial) {
-        const void* src = mp.initial->data;
-        dtype type = mp.initial->type;
-        if (options_.broadcast_init && world.size() > 1) {
-          tmp.resize(n);
-          host::convert(src, type, tmp.data(), dtype::f32, n);
-          ops_.broadcast_host(world, tmp.data(), n, 0);
-          log_.record(world, collective::broadcast, n, sizeof(float), i);
-          src = tmp.data();
-          type = dtype::f32;
-        }
-        params_.load(i, src, type);
-        optimizer_.load(i, src, type);
-      } else if (mp.init) {
-        if (block.empty()) {
-          block =
-              buffer<float, host_space>(init_block_elems, &memory_, memory_category::io_staging);
-        }
-        auto fill = [&](std::size_t offset, std::size_t count) {
-          for (std::size_t b = offset; b < offset + count; b += block.size()) {
-            const std::size_t len = std::min(block.size(), offset + count - b);
-            mp.init(b, std::span<float>(block.data(), len));
-            params_.load(i, b, len, block.data(), dtype::f32);
-            optimizer_.load(i, b, len, block.data(), dtype::f32);
-          }
-        };
-        if constexpr (shards_params) {
-          for (const auto& pc : layout_.pieces_of(i)) {
-            if (static_cast<std::size_t>(pc.rank) == shard_index()) fill(pc.param_offset, pc.count);
-          }
-        } else {
-          fill(0, n);  // every rank holds the whole working parameters anyway
-        }
-      }
-    }
+    load_initial_values<shards_params>(model, registry_, layout_, shard_index(), topology_.world(),
+                                       options_.broadcast_init, params_, optimizer_, ops_, log_,
+                                       memory_);
   }
 
   void check_units_done() {
@@ -624,8 +582,6 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
   std::uint64_t sent_at_last_step_ = 0;
   std::uint64_t control_at_last_step_ = 0;
   inline static const std::vector<trace_event> no_trace_{};
-  //! Elements of the staging block initialisers fill (4 MiB of fp32).
-  static constexpr std::size_t init_block_elems = std::size_t{1} << 20;
 };
 
 SHARDKIT_NAMESPACE_END
