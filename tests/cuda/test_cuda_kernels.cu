@@ -293,10 +293,13 @@ std::string compare_stats(std::size_t n, std::size_t offset, std::uint64_t seed)
   }
   if (got.max_abs_bits != want.max_abs_bits) return "max |g| differs";
   if (got.norm_squared() != want.norm_squared()) return "norm differs";
-  dev_array<unsigned long long> count(1);
-  gpu::count_nonfinite(dg.data() + offset, n, count.data(), nullptr);
-  if (count.download()[0] != host::count_nonfinite(g.data() + offset, n)) {
-    return "count_nonfinite differs";
+  // both paths (cub::DeviceReduce and the hand-written kernel); the count is added to
+  for (auto path : {gpu::elementwise_path::cub_transform, gpu::elementwise_path::handwritten}) {
+    dev_array<unsigned long long> count(std::vector<unsigned long long>{5});
+    gpu::count_nonfinite(dg.data() + offset, n, count.data(), nullptr, path);
+    if (count.download()[0] != 5 + host::count_nonfinite(g.data() + offset, n)) {
+      return "count_nonfinite differs on path " + std::to_string(static_cast<int>(path));
+    }
   }
   return {};
 }
