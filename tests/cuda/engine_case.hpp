@@ -1,5 +1,5 @@
-// The training run of the device-engine tests ([engine] in test_cuda.cu), shared by the
-// device engine (test_cuda.cu, nvcc) and its host reference (test_cuda_engine_host.cpp, g++
+// The training run of the device-engine tests ([engine] in test_cuda_engine.cu), shared by the
+// device engine (test_cuda_engine.cu, nvcc) and its host reference (test_cuda_engine_host.cpp, g++
 // with the one-lane host kernels, which compute what the baseline host build computes). The
 // driver reaches memory only through an `io` object, so both sides do the same calls in the
 // same order: same initial values, gradients, micro-batches, hooks and step() calls.

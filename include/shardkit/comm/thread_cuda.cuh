@@ -16,7 +16,11 @@
 //! Preconditions (as for host memory, made explicit): the inputs are complete when the collective
 //! is called (synchronise the stream that produced them, or record and wait an event), and no
 //! stream writes the buffers until it returns or its wait() returns. Every transfer runs on the
-//! device that holds its destination.
+//! device that holds its destination; every source and destination must be device memory
+//! (invalid_argument names the one that is not). With ranks on several GPUs, the first transfer
+//! between two devices enables peer access and access to the source device's default memory
+//! pool (cudaMemPoolSetAccess: where the default resource allocates); devices that are not
+//! peers raise invalid_argument.
 //!
 //!     shardkit::run_ranks<shardkit::cuda_space>(4, [&](shardkit::thread_cuda_comm& comm) {
 //!       comm.all_reduce(dev_in, dev_out, n, shardkit::reduce_op::sum);   // device pointers
@@ -37,6 +41,9 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 SHARDKIT_NAMESPACE_BEGIN
@@ -44,21 +51,27 @@ namespace detail {
 
 template <>
 struct thread_transport<cuda_space> {
-  //! Copies `bytes` to `dst` from `src` (device memory) on this thread's stream.
+  //! Copies `bytes` to `dst` from `src` (device memory) on this thread's stream, on the device
+  //! that holds `dst`.
   static void copy(void* dst, const void* src, std::size_t bytes) {
     if (dst == src || bytes == 0) return;
-    const int device = device_of(dst);
+    const int device = device_of(dst, "the copy's destination", 0);
+    grant_access(device, device_of(src, "the copy's source", 0));
     cuda_device_guard guard(device);
     cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cudaStreamPerThread),
                concat("thread_communicator<cuda_space>: cudaMemcpyAsync of ", bytes,
                       " bytes on device ", device));
   }
 
-  //! out = in[0] ∘ ... ∘ in[k-1] (device memory) on this thread's stream.
+  //! out = in[0] ∘ ... ∘ in[k-1] (device memory) on this thread's stream, on the device that
+  //! holds `out`. Every source is checked (a host pointer read by the kernel would kill the
+  //! context) and the output's device is given access to the sources on other devices.
   static void reduce(dtype t, const void* const* in, std::size_t k, void* out, std::size_t n,
                      reduce_op op) {
     if (n == 0 || k == 0) return;
-    cuda_device_guard guard(device_of(out));
+    const int device = device_of(out, "the reduction's output", 0);
+    for (std::size_t q = 0; q < k; ++q) grant_access(device, device_of(in[q], "source", q));
+    cuda_device_guard guard(device);
     switch (t) {
       case dtype::f32:
         return run<float>(in, k, out, n, op);
@@ -106,19 +119,65 @@ struct thread_transport<cuda_space> {
     return used;
   }
 
-  // The device holding `p`, remembered for fence(). Pointers the runtime does not know as device
-  // memory raise invalid_argument: this is the device transport.
-  static int device_of(const void* p) {
+  // The device holding `p`, remembered for fence(). A pointer the runtime does not know as device
+  // memory (host memory, pinned or not) raises invalid_argument naming its role: this is the
+  // device transport.
+  static int device_of(const void* p, const char* role, std::size_t index) {
     cudaPointerAttributes a{};
     cuda_check(cudaPointerGetAttributes(&a, p), "cudaPointerGetAttributes");
     if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged) {
+      const bool source = std::string_view(role) == "source";
       raise<invalid_argument>(
-          "thread_communicator<cuda_space>: buffer ", p,
-          " is not device memory; use thread_communicator<host_space> for host buffers");
+          "thread_communicator<cuda_space>: ",
+          source ? concat("source ", index, " of the reduction") : std::string(role), " (buffer ",
+          p, ") is ", a.type == cudaMemoryTypeHost ? "pinned host memory" : "not device memory",
+          "; use thread_communicator<host_space> for host buffers");
     }
     auto& used = devices_used();
     if (std::find(used.begin(), used.end(), a.device) == used.end()) used.push_back(a.device);
     return a.device;
+  }
+
+  // Lets work on device `reader` read and write memory of device `owner` (ranks on several GPUs):
+  // peer access, plus access to `owner`'s default memory pool, where the default resource
+  // (cudaMallocAsync) allocates; peer access alone does not cover pool memory. Done once per pair
+  // and process. Memory of another pool (a framework's allocator) needs the same grant from its
+  // owner. Raises invalid_argument when the two devices cannot access each other.
+  static void grant_access(int reader, int owner) {
+    if (reader == owner) return;
+    static std::mutex mutex;
+    static std::vector<std::pair<int, int>> granted;
+    std::lock_guard lock(mutex);
+    if (std::find(granted.begin(), granted.end(), std::pair{reader, owner}) != granted.end())
+      return;
+    int can = 0;
+    cuda_check(cudaDeviceCanAccessPeer(&can, reader, owner), "cudaDeviceCanAccessPeer");
+    if (can == 0) {
+      raise<invalid_argument>("thread_communicator<cuda_space>: device ", reader,
+                              " cannot access the memory of device ", owner,
+                              " (no peer access between them): keep the ranks of one "
+                              "communicator on devices that are peers");
+    }
+    {
+      cuda_device_guard guard(reader);
+      const cudaError_t e = cudaDeviceEnablePeerAccess(owner, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) {
+        (void)cudaGetLastError();  // not an error here: clear it
+      } else {
+        cuda_check(e, concat("cudaDeviceEnablePeerAccess(", owner, ") on device ", reader));
+      }
+    }
+    cudaMemPool_t pool = nullptr;
+    cuda_check(cudaDeviceGetDefaultMemPool(&pool, owner),
+               concat("cudaDeviceGetDefaultMemPool(", owner, ")"));
+    cudaMemAccessDesc access{};
+    access.location.type = cudaMemLocationTypeDevice;
+    access.location.id = reader;
+    access.flags = cudaMemAccessFlagsProtReadWrite;
+    cuda_check(
+        cudaMemPoolSetAccess(pool, &access, 1),
+        concat("cudaMemPoolSetAccess: device ", reader, " on the default pool of device ", owner));
+    granted.emplace_back(reader, owner);
   }
 };
 

@@ -35,8 +35,30 @@ inline void cuda_check(cudaError_t e, std::string_view what) {
   }
 }
 
-//! Checks the launch that just happened on this thread (cudaGetLastError), naming the kernel and
-//! its geometry in the error.
+//! True when `e` is the error of a CUDA call just made, not a sticky one the context holds:
+//! after cudaGetLastError reset it, cudaPeekAtLastError no longer reports it.
+inline bool cuda_error_cleared() noexcept {
+  return cudaPeekAtLastError() == cudaSuccess;
+}
+
+//! Before a launch: clears an error an earlier call left on this thread (a failed call whose
+//! result its caller discarded), so that check_launch after the launch reports the launch's
+//! own error only. A sticky error (an earlier kernel's fault: the context is unusable) cannot
+//! be cleared; it is raised here, naming the kernel that was not launched and saying the error
+//! came before it.
+inline void clear_error_before_launch(std::string_view kernel) {
+  const cudaError_t stale = cudaGetLastError();
+  if (stale == cudaSuccess || cuda_error_cleared()) return;
+  throw cuda_error(static_cast<int>(stale),
+                   format_cuda_error(concat("before launching ", kernel,
+                                            " (an earlier call or kernel left this sticky error; "
+                                            "the kernel was not launched)"),
+                                     static_cast<int>(stale), cudaGetErrorName(stale),
+                                     cudaGetErrorString(stale)));
+}
+
+//! Checks the launch that just happened on this thread (cudaGetLastError after
+//! clear_error_before_launch), naming the kernel and its geometry in the error.
 inline void check_launch(std::string_view kernel, std::size_t grid, std::size_t threads,
                          std::size_t elements) {
   const cudaError_t e = cudaGetLastError();
@@ -77,7 +99,7 @@ inline int cuda_sm_count(int device) {
   }
   int n = 0;
   core_detail::cuda_check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
-                     "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
+                          "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
   if (device >= 0 && device < static_cast<int>(cache.size())) {
     cache[static_cast<std::size_t>(device)].store(n, std::memory_order_relaxed);
   }
@@ -112,7 +134,7 @@ class cuda_stream {
  public:
   cuda_stream() {
     core_detail::cuda_check(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking),
-                       "cudaStreamCreateWithFlags");
+                            "cudaStreamCreateWithFlags");
   }
   cuda_stream(cuda_stream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
   cuda_stream& operator=(cuda_stream&& o) noexcept {
@@ -163,7 +185,9 @@ class cuda_event {
 
   cudaEvent_t get() const noexcept { return e_; }
   //! Captures the work enqueued on `s` so far.
-  void record(cudaStream_t s) { core_detail::cuda_check(cudaEventRecord(e_, s), "cudaEventRecord"); }
+  void record(cudaStream_t s) {
+    core_detail::cuda_check(cudaEventRecord(e_, s), "cudaEventRecord");
+  }
   //! Makes later work on `s` wait for the captured work (no host blocking).
   void wait_on(cudaStream_t s) const {
     core_detail::cuda_check(cudaStreamWaitEvent(s, e_, 0), "cudaStreamWaitEvent");
@@ -175,7 +199,9 @@ class cuda_event {
     core_detail::cuda_check(e, "cudaEventQuery");
     return true;
   }
-  void synchronize() const { core_detail::cuda_check(cudaEventSynchronize(e_), "cudaEventSynchronize"); }
+  void synchronize() const {
+    core_detail::cuda_check(cudaEventSynchronize(e_), "cudaEventSynchronize");
+  }
 
  private:
   void reset() noexcept {

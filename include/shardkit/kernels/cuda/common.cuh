@@ -17,12 +17,19 @@
 #include <shardkit/core/dtype.hpp>
 #include <shardkit/kernels/cuda/launch.hpp>
 
+#include <cub/version.cuh>
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
 #include <type_traits>
+
+// The kernels use CCCL 2.8 APIs (::cuda::maximum, cub::DeviceTransform,
+// cub::DeviceMemcpy::Batched).
+#if CUB_VERSION < 200800
+#error "shardkit's CUDA backend needs CCCL 2.8 or later (CUDA 12.9 or later)"
+#endif
 
 SHARDKIT_NAMESPACE_BEGIN
 namespace gpu {
@@ -159,10 +166,13 @@ __device__ SHARDKIT_FORCEINLINE std::size_t global_threads() {
 }
 
 //! Launches `kernel<<<grid, threads, 0, stream>>>(args...)` and checks it (cudaGetLastError),
-//! raising cuda_error that names the kernel, its geometry and the element count.
+//! raising cuda_error that names the kernel, its geometry and the element count. An error an
+//! earlier call left on this thread is cleared first, so it is not blamed on this kernel (a
+//! sticky one is raised before the launch, saying so).
 template <class... Params, class... Args>
 void launch(void (*kernel)(Params...), std::string_view name, std::size_t grid, int threads,
             cudaStream_t stream, std::size_t elements, Args&&... args) {
+  ::shardkit::detail::clear_error_before_launch(name);
   kernel<<<static_cast<unsigned>(grid), static_cast<unsigned>(threads), 0, stream>>>(
       static_cast<Params>(args)...);
   ::shardkit::detail::check_launch(name, grid, static_cast<std::size_t>(threads), elements);

@@ -2,10 +2,13 @@
 //! Element-wise kernels over device arrays, the device twins of kernels/host/convert.hpp: casts
 //! between fp32/bf16/fp16 (round to nearest even, NaN payloads kept, as core/dtype.hpp),
 //! accumulation (acc += x in fp32, rounded once), and `batched_copy`: flatten, unflatten and
-//! pad many tensors in one launch, from a device table of (source, destination, count, zero fill)
-//! entries cut into chunks, with the cast on the way. Same-type copies move 16-byte words, also
-//! when source and destination are misaligned against each other (shifted loads, launch.hpp);
-//! converting copies between arrays that cannot be aligned together run scalar.
+//! pad many tensors in one launch: same-type copies on cub::DeviceMemcpy::Batched (copies and
+//! paddings in one call); converting ones, or same-type ones when asked for, from a device table
+//! of (source, destination, count, zero fill) entries cut into chunks, with the cast on the way.
+//! That kernel moves 16-byte words for same-type copies, also when source and destination are
+//! misaligned against each other (shifted loads, launch.hpp); converting copies between arrays
+//! that cannot be aligned together run scalar. Casts and accumulation run on
+//! cub::DeviceTransform by default (kernels/cuda/transform.cuh).
 //!
 //!     // flatten three tensors into a padded flat buffer, then back:
 //!     using copy = shardkit::gpu::batched_copy<bf16, bf16>;
@@ -24,7 +27,9 @@
 #include <shardkit/core/memory.hpp>
 #include <shardkit/kernels/cuda/common.cuh>
 #include <shardkit/kernels/cuda/launch.hpp>
+#include <shardkit/kernels/cuda/transform.cuh>
 
+#include <cub/device/device_memcpy.cuh>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -32,6 +37,7 @@
 #include <cstdint>
 #include <span>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 SHARDKIT_NAMESPACE_BEGIN
@@ -199,10 +205,13 @@ __global__ void __launch_bounds__(copy_policy.threads, copy_policy.blocks_per_sm
 //! out[i] = in[i] converted (exact widening, or round to nearest even), i < n, on `stream`. The
 //! same contract as host::convert; a same-type copy is a cudaMemcpyAsync.
 template <float_storage S, float_storage D>
-void convert(const S* in, D* out, std::size_t n, device_stream stream) {
+void convert(const S* in, D* out, std::size_t n, device_stream stream,
+             elementwise_path path = default_elementwise_path) {
   if (n == 0) return;
   if constexpr (std::is_same_v<S, D>) {
     copy_bytes_async(out, in, n * sizeof(S), stream);
+  } else if (path == elementwise_path::cub_transform) {
+    convert_transform(in, out, n, stream);
   } else {
     const vector_split split = plan_vector_split({ref(in), ref(out)}, n);
     const std::size_t items = split.vectorised ? split.packs + split.pack : n;
@@ -215,8 +224,13 @@ void convert(const S* in, D* out, std::size_t n, device_stream stream) {
 //! acc[i] = acc[i] + in[i], computed in fp32 and rounded once to D, on `stream` (as
 //! host::accumulate).
 template <float_storage S, float_storage D>
-void accumulate(const S* in, D* acc, std::size_t n, device_stream stream) {
+void accumulate(const S* in, D* acc, std::size_t n, device_stream stream,
+                elementwise_path path = default_elementwise_path) {
   if (n == 0) return;
+  if (path == elementwise_path::cub_transform) {
+    accumulate_transform(in, acc, n, stream);
+    return;
+  }
   const vector_split split = plan_vector_split({ref(in), ref(acc)}, n);
   const std::size_t items = split.vectorised ? split.packs + split.pack : n;
   detail::launch(&detail::accumulate_kernel<S, D>, "gpu::accumulate",
@@ -242,16 +256,25 @@ class batched_copy {
 
   batched_copy() = default;
 
-  batched_copy(std::span<const item> items, device_stream stream) : stream_(stream) {
+  //! Same-type copies run on cub::DeviceMemcpy::Batched by default (`path`; the padding is
+  //! copied from a zeroed block of the table, so copies and padding are one call); converting
+  //! copies, and same-type ones with elementwise_path::handwritten, run shardkit's chunked
+  //! kernel (16-byte words, shifted loads for misaligned pairs) until a GPU measurement decides
+  //! between the two.
+  batched_copy(std::span<const item> items, device_stream stream,
+               elementwise_path path = default_elementwise_path)
+      : stream_(stream) {
+    check_items(items);
+    if constexpr (std::is_same_v<S, D>) {
+      if (path == elementwise_path::cub_transform) {
+        build_memcpy(items, stream);
+        return;
+      }
+    }
     std::vector<detail::copy_entry<S, D>> entries(items.size());
     std::vector<run_extent> extents(items.size());
     for (std::size_t i = 0; i < items.size(); ++i) {
       const item& it = items[i];
-      if ((it.count != 0 && (it.src == nullptr || it.dst == nullptr)) ||
-          (it.zero_fill != 0 && it.dst == nullptr)) {
-        ::shardkit::detail::raise("batched_copy: item ", i, " has a null pointer for ", it.count,
-                                  " elements and ", it.zero_fill, " zeros");
-      }
       entries[i] = {it.src, it.dst, it.count,
                     plan_vector_split({ref(it.src), ref(it.dst)}, it.count), 0u};
       if constexpr (std::is_same_v<S, D>) {
@@ -285,15 +308,50 @@ class batched_copy {
   }
 
   batched_copy(batched_copy&&) noexcept = default;
-  batched_copy& operator=(batched_copy&&) noexcept = default;
+  //! Frees this table's memory ordered on the stream it was built on (not the caller's
+  //! current stream), then takes over `o`'s.
+  batched_copy& operator=(batched_copy&& o) noexcept {
+    if (this != &o) {
+      {
+        device_stream_scope scope(stream_);
+        table_.release();
+      }
+      stream_ = std::exchange(o.stream_, {});
+      elements_ = std::exchange(o.elements_, {});
+      bytes_moved_ = std::exchange(o.bytes_moved_, {});
+      chunk_count_ = std::exchange(o.chunk_count_, {});
+      table_ = std::move(o.table_);
+      chunks_ = std::exchange(o.chunks_, {});
+      memcpy_buffers_ = std::exchange(o.memcpy_buffers_, {});
+      memcpy_dst_at_ = std::exchange(o.memcpy_dst_at_, {});
+      memcpy_size_at_ = std::exchange(o.memcpy_size_at_, {});
+      memcpy_temp_at_ = std::exchange(o.memcpy_temp_at_, {});
+      memcpy_temp_bytes_ = std::exchange(o.memcpy_temp_bytes_, {});
+    }
+    return *this;
+  }
   //! Frees the device table ordered on the stream it was built on.
   ~batched_copy() {
     device_stream_scope scope(stream_);
     table_.release();
   }
 
-  //! Enqueues every copy on `stream` (one launch).
+  //! Enqueues every copy on `stream` (one launch). Runs of one table must not overlap in time
+  //! (they write the same destinations; the CUB path also shares its temporary storage).
   void run(device_stream stream) const {
+    if (memcpy_buffers_ != 0) {
+      detail::cub_call("gpu::batched_copy (cub::DeviceMemcpy::Batched)", elements_, [&] {
+        std::size_t temp = memcpy_temp_bytes_;
+        return cub::DeviceMemcpy::Batched(
+            // CUB's temporary storage: scratch of the table, written by every run
+            const_cast<std::byte*>(table_.data() + memcpy_temp_at_), temp,
+            reinterpret_cast<const void* const*>(table_.data()),
+            reinterpret_cast<void* const*>(table_.data() + memcpy_dst_at_),
+            reinterpret_cast<const std::size_t*>(table_.data() + memcpy_size_at_),
+            static_cast<std::int64_t>(memcpy_buffers_), stream);
+      });
+      return;
+    }
     if (chunk_count_ == 0) return;
     const std::size_t grid = std::min<std::size_t>(
         chunk_count_, static_cast<std::size_t>(cuda_sm_count()) * copy_policy.blocks_per_sm);
@@ -308,14 +366,81 @@ class batched_copy {
   //! Bytes read plus bytes written per run.
   std::size_t bytes_moved() const noexcept { return bytes_moved_; }
   std::size_t chunks() const noexcept { return chunk_count_; }
+  //! Buffers of the cub::DeviceMemcpy::Batched call (copies and paddings), 0 on the kernel path.
+  std::size_t memcpy_buffers() const noexcept { return memcpy_buffers_; }
 
  private:
+  static constexpr std::size_t align256(std::size_t b) { return (b + 255) / 256 * 256; }
+
+  static void check_items(std::span<const item> items) {
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      const item& it = items[i];
+      if ((it.count != 0 && (it.src == nullptr || it.dst == nullptr)) ||
+          (it.zero_fill != 0 && it.dst == nullptr)) {
+        ::shardkit::detail::raise("batched_copy: item ", i, " has a null pointer for ", it.count,
+                                  " elements and ", it.zero_fill, " zeros");
+      }
+    }
+  }
+
+  // The table of the CUB path: source pointers, destination pointers, byte counts, CUB's
+  // temporary storage, and a zeroed block the paddings are copied from (buffer memory is
+  // zeroed when allocated, and nothing writes that block).
+  void build_memcpy(std::span<const item> items, device_stream stream) {
+    std::vector<const void*> src;
+    std::vector<void*> dst;
+    std::vector<std::size_t> bytes;
+    std::size_t most_zeros = 0;
+    for (const item& it : items) {
+      if (it.count != 0) {
+        src.push_back(it.src);
+        dst.push_back(it.dst);
+        bytes.push_back(it.count * sizeof(S));
+      }
+      if (it.zero_fill != 0) {
+        src.push_back(nullptr);  // the zero block, once its address is known
+        dst.push_back(it.dst + it.count);
+        bytes.push_back(it.zero_fill * sizeof(D));
+        most_zeros = std::max(most_zeros, it.zero_fill * sizeof(D));
+      }
+      elements_ += it.count + it.zero_fill;
+      bytes_moved_ += it.count * (sizeof(S) + sizeof(D)) + it.zero_fill * sizeof(D);
+    }
+    memcpy_buffers_ = src.size();
+    if (memcpy_buffers_ == 0) return;
+    std::size_t temp = 0;
+    detail::cub_call("gpu::batched_copy (cub::DeviceMemcpy::Batched, sizing)", elements_, [&] {
+      return cub::DeviceMemcpy::Batched(nullptr, temp, static_cast<const void* const*>(nullptr),
+                                        static_cast<void* const*>(nullptr),
+                                        static_cast<const std::size_t*>(nullptr),
+                                        static_cast<std::int64_t>(memcpy_buffers_), stream);
+    });
+    const std::size_t n = memcpy_buffers_;
+    memcpy_dst_at_ = align256(n * sizeof(void*));
+    memcpy_size_at_ = memcpy_dst_at_ + align256(n * sizeof(void*));
+    memcpy_temp_at_ = memcpy_size_at_ + align256(n * sizeof(std::size_t));
+    memcpy_temp_bytes_ = temp;
+    const std::size_t zeros_at = memcpy_temp_at_ + align256(temp);
+    device_stream_scope scope(stream);
+    table_ = buffer<std::byte, cuda_space>(zeros_at + most_zeros, nullptr,
+                                           memory_category::comm_scratch);
+    for (auto& p : src) {
+      if (p == nullptr) p = table_.data() + zeros_at;
+    }
+    copy_bytes_async(table_.data(), src.data(), n * sizeof(void*), stream);
+    copy_bytes_async(table_.data() + memcpy_dst_at_, dst.data(), n * sizeof(void*), stream);
+    copy_bytes_async(table_.data() + memcpy_size_at_, bytes.data(), n * sizeof(std::size_t),
+                     stream);
+  }
+
   device_stream stream_ = nullptr;
   std::size_t elements_ = 0;
   std::size_t bytes_moved_ = 0;
   std::size_t chunk_count_ = 0;
   buffer<std::byte, cuda_space> table_;
   const work_chunk* chunks_ = nullptr;
+  std::size_t memcpy_buffers_ = 0;
+  std::size_t memcpy_dst_at_ = 0, memcpy_size_at_ = 0, memcpy_temp_at_ = 0, memcpy_temp_bytes_ = 0;
 };
 
 }  // namespace gpu

@@ -26,16 +26,23 @@
 #include <shardkit/core/cuda_memory.cuh>
 #include <shardkit/core/device.hpp>
 #include <shardkit/core/dtype.hpp>
+#include <shardkit/core/memory.hpp>
 #include <shardkit/kernels/cuda/common.cuh>
 #include <shardkit/kernels/cuda/launch.hpp>
+#include <shardkit/kernels/cuda/transform.cuh>
 #include <shardkit/kernels/host/grad_stats.hpp>
 
 #include <cub/block/block_reduce.cuh>
+#include <cub/device/device_reduce.cuh>
 #include <cuda/functional>
+#include <cuda/std/functional>
 #include <cuda_runtime.h>
+#include <thrust/iterator/transform_output_iterator.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 SHARDKIT_NAMESPACE_BEGIN
 namespace gpu {
@@ -153,6 +160,23 @@ __global__ void __launch_bounds__(copy_policy.threads, copy_policy.blocks_per_sm
   if (threadIdx.x == 0 && block != 0) atomicAdd(count, block);
 }
 
+//! 1 for an infinity or NaN, else 0 (the test of nonfinite_kernel).
+template <class G>
+struct nonfinite_op {
+  __device__ SHARDKIT_FORCEINLINE unsigned long long operator()(G g) const {
+    return (stats_bits(g) & 0x7fffffffu) >= 0x7f800000u ? 1u : 0u;
+  }
+};
+
+//! Turns the reduction's result into `*count + result` as it is written (one write, by one
+//! thread, after the whole reduction): count_nonfinite adds to the count like its kernel.
+struct add_to {
+  const unsigned long long* count;
+  __device__ SHARDKIT_FORCEINLINE unsigned long long operator()(unsigned long long x) const {
+    return *count + x;
+  }
+};
+
 }  // namespace detail
 
 //! Sets `stats` (device memory) to zero, on `stream`.
@@ -176,9 +200,32 @@ void accumulate_stats(const G* g, std::size_t n, device_grad_stats* stats, devic
 
 //! Adds the number of infinities and NaNs in g[0, n) (device memory) to `*count` (device
 //! memory), on `stream`: the overflow check without a norm, equal to host::count_nonfinite.
+//! By default a cub::DeviceReduce::TransformReduce (temporary storage allocated and freed in
+//! stream order, the sum added to `*count` by the one thread that writes the result); the
+//! hand-written vectorised kernel with elementwise_path::handwritten, kept until a GPU
+//! measurement decides between them.
 template <float_storage G>
-void count_nonfinite(const G* g, std::size_t n, unsigned long long* count, device_stream stream) {
+void count_nonfinite(const G* g, std::size_t n, unsigned long long* count, device_stream stream,
+                     elementwise_path path = default_elementwise_path) {
   if (n == 0) return;
+  if (path == elementwise_path::cub_transform) {
+    const auto out = thrust::make_transform_output_iterator(count, detail::add_to{count});
+    auto reduce = [&](void* temp, std::size_t& bytes) {
+      return cub::DeviceReduce::TransformReduce(temp, bytes, g, out, static_cast<std::int64_t>(n),
+                                                ::cuda::std::plus<>{}, detail::nonfinite_op<G>{},
+                                                0ull, stream);
+    };
+    std::size_t bytes = 0;
+    detail::cub_call("gpu::count_nonfinite (cub::DeviceReduce, sizing)", n,
+                     [&] { return reduce(nullptr, bytes); });
+    device_stream_scope scope(stream);
+    // (never null: CUB takes a null pointer for a sizing query)
+    buffer<std::byte, cuda_space> temp(std::max<std::size_t>(bytes, 1), nullptr,
+                                       memory_category::comm_scratch);
+    detail::cub_call("gpu::count_nonfinite (cub::DeviceReduce)", n,
+                     [&] { return reduce(temp.data(), bytes); });
+    return;  // temp is freed on `stream`, after the reduction
+  }
   const vector_split split = plan_vector_split({ref(g)}, n);
   const std::size_t items = split.vectorised ? split.packs + split.pack : n;
   detail::launch(&detail::nonfinite_kernel<G>, "gpu::count_nonfinite",

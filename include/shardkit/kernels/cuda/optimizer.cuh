@@ -8,7 +8,8 @@
 //! `constants::grad_scale`, applied inside. The overflow skip can stay on the device: the step
 //! takes an optional pointer to a non-finite count and changes nothing when it is non-zero.
 //!
-//!  - gpu::fused_step: one run, one grid-stride launch.
+//!  - gpu::fused_step: one run: cub::DeviceTransform (kernels/cuda/transform.cuh) by default,
+//!    the hand-written grid-stride kernel for the device-side skip or when asked for.
 //!  - gpu::fused_step_table: many runs (an engine's per-parameter-group runs) in one launch per
 //!    16 groups: a device table of runs cut into chunks, built once, launched every step with
 //!    that step's constants.
@@ -26,6 +27,7 @@
 #include <shardkit/core/memory.hpp>
 #include <shardkit/kernels/cuda/common.cuh>
 #include <shardkit/kernels/cuda/launch.hpp>
+#include <shardkit/kernels/cuda/transform.cuh>
 #include <shardkit/kernels/math.hpp>
 
 #include <cuda_runtime.h>
@@ -37,6 +39,7 @@
 #include <cstring>
 #include <span>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 SHARDKIT_NAMESPACE_BEGIN
@@ -180,10 +183,17 @@ void launch_step(const step_run<Opt, G, W>& r, const typename Opt::constants& k,
 template <optimizer_policy Opt, float_storage G, float_storage W = bf16>
 void fused_step(const typename Opt::constants& k, float* params, float* const* state,
                 const G* grads, W* working_out, std::size_t n, device_stream stream,
-                const unsigned long long* skip_if_nonzero = nullptr) {
+                const unsigned long long* skip_if_nonzero = nullptr,
+                elementwise_path path = default_elementwise_path) {
   static_assert(std::is_trivially_copyable_v<typename Opt::constants>,
                 "optimizer constants must be trivially copyable to reach a kernel");
   if (n == 0) return;
+  // cub::DeviceTransform by default; the hand-written kernel for the device-side skip (a
+  // transform writes every element) or when asked for (kernels/cuda/transform.cuh).
+  if (path == elementwise_path::cub_transform && skip_if_nonzero == nullptr) {
+    fused_step_transform<Opt, G, W>(k, params, state, grads, working_out, n, stream);
+    return;
+  }
   detail::step_run<Opt, G, W> r{};
   r.params = params;
   for (std::size_t s = 0; s < Opt::state_count; ++s) r.state[s] = state[s];
@@ -250,7 +260,25 @@ class fused_step_table {
   }
 
   fused_step_table(fused_step_table&&) noexcept = default;
-  fused_step_table& operator=(fused_step_table&&) noexcept = default;
+  //! Frees this table's memory ordered on the stream it was built on (not the caller's
+  //! current stream), then takes over `o`'s.
+  fused_step_table& operator=(fused_step_table&& o) noexcept {
+    if (this != &o) {
+      {
+        device_stream_scope scope(stream_);
+        table_.release();
+      }
+      groups_ = std::exchange(o.groups_, {});
+      stream_ = std::exchange(o.stream_, {});
+      write_out_ = std::exchange(o.write_out_, {});
+      group_begin_ = std::move(o.group_begin_);
+      chunk_count_ = std::exchange(o.chunk_count_, {});
+      elements_ = std::exchange(o.elements_, {});
+      table_ = std::move(o.table_);
+      chunks_ = std::exchange(o.chunks_, {});
+    }
+    return *this;
+  }
   //! Frees the device table ordered on the stream it was built on: launches on other streams
   //! must be complete (or ordered before that point) by then.
   ~fused_step_table() {
