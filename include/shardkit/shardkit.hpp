@@ -26,6 +26,7 @@
 #include <shardkit/zero/engine.hpp>
 #include <shardkit/zero/full_grads.hpp>
 #include <shardkit/zero/model.hpp>
+#include <shardkit/zero/offload_optimizer.hpp>
 #include <shardkit/zero/policies.hpp>
 #include <shardkit/zero/registry.hpp>
 #include <shardkit/zero/replicated_params.hpp>
