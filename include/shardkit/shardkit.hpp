@@ -21,6 +21,7 @@
 #include <shardkit/kernels/host/simd.hpp>
 #include <shardkit/kernels/math.hpp>
 #include <shardkit/plan/formulas.hpp>
+#include <shardkit/plan/offload.hpp>
 #include <shardkit/plan/planner.hpp>
 #include <shardkit/zero/accounting.hpp>
 #include <shardkit/zero/engine.hpp>
