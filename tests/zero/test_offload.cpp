@@ -28,6 +28,7 @@ struct run_result {
   std::uint64_t host[shardkit::memory_category_count] = {};
   std::uint64_t copies = 0;
   std::size_t shard = 0;
+  bool reports_agree = true;  // the engine's expected bytes equal its ledgers
 };
 
 template <class T>
@@ -44,6 +45,7 @@ struct train_config {
   float clip = 0.5f;
   std::size_t host_threads = 1;
   shardkit::offload_schedule schedule = shardkit::offload_schedule::pipelined;
+  std::size_t shard_group = 0;  // hybrid sharding: ranks per shard group
 };
 
 template <class Policies, class W>
@@ -66,6 +68,7 @@ std::vector<run_result> train(int N, const offload_case& mc, const train_config&
     shardkit::engine_options eo;
     eo.clip_grad_norm = cfg.clip;
     eo.host_threads = cfg.host_threads;
+    eo.shard_group_size = cfg.shard_group;
     engine_t eng(c, model, shardkit::adam_options{.lr = 1e-2f, .weight_decay = 0.05f}, eo);
     if constexpr (Policies::offload_optimizer) eng.optimizer().set_schedule(cfg.schedule);
     run_result out;
@@ -121,7 +124,15 @@ std::vector<run_result> train(int N, const offload_case& mc, const train_config&
         out.host[k] = eng.optimizer().memory().peak(static_cast<memory_category>(k));
       }
     }
-    if constexpr (Policies::offload_optimizer) out.copies = eng.optimizer().copies();
+    if constexpr (Policies::offload_optimizer) {
+      out.copies = eng.optimizer().copies();
+      const auto& h = eng.optimizer().memory();
+      const auto want = eng.expected_host_bytes();
+      out.reports_agree = eng.expected_state_bytes() == eng.measured_state_bytes() &&
+                          want.master_params == h.current(memory_category::master_params) &&
+                          want.optimizer_moments == h.current(memory_category::optimizer_moments) &&
+                          want.staging == h.current(memory_category::offload_staging);
+    }
     out.shard = eng.layout().shard_numel();
     return out;
   });
@@ -167,6 +178,7 @@ void check_same(int stage) {
           for (int r = 0; r < N; ++r) {
             CAPTURE(r);
             CHECK(off[r].bits == plain[r].bits);
+            CHECK(off[r].reports_agree);
             REQUIRE(off[r].shard == S);
             const auto dev = [&](memory_category c) { return off[r].device[std::size_t(c)]; };
             const auto host = [&](memory_category c) { return off[r].host[std::size_t(c)]; };
@@ -210,6 +222,16 @@ TEST_CASE("offload: stage 2 equals the device optimizer bit for bit", "[offload]
 TEST_CASE("offload: stage 3 equals the device optimizer bit for bit", "[offload]") {
   check_same<shardkit::zero3, shardkit::zero3_offload, shardkit::bf16>(3);
   check_same<shardkit::zero3, shardkit::zero3_offload, float>(3);
+}
+
+TEST_CASE("offload: hybrid sharding equals the device optimizer bit for bit", "[offload]") {
+  const offload_case mc{{5, 0, 13, 1, 64, 3, 0, 7}, {0, 2, 4, 6}};
+  train_config cfg;
+  cfg.shard_group = 2;  // 4 ranks: two shard groups of 2, replicated
+  CHECK(train<shardkit::zero2_offload, shardkit::bf16>(4, mc, cfg)[3].bits ==
+        train<shardkit::zero2, shardkit::bf16>(4, mc, cfg)[3].bits);
+  CHECK(train<shardkit::zero3_offload, shardkit::bf16>(4, mc, cfg)[2].bits ==
+        train<shardkit::zero3, shardkit::bf16>(4, mc, cfg)[2].bits);
 }
 
 TEST_CASE("offload: copies, one per group each way (and the fp32 values in)", "[offload]") {
