@@ -271,3 +271,33 @@ TEST_CASE("offload: the step's part bounds are checked", "[offload]") {
   opt.set_step_parts({3, 7});
   CHECK(opt.step_parts() == 3);
 }
+
+TEST_CASE("offload: a step cut into parts, in any order, is the unsplit step", "[offload]") {
+  using opt_t = shardkit::shard_optimizer<shardkit::host_space, shardkit::adamw, shardkit::bf16>;
+  const std::vector<std::size_t> numels{37, 0, 100, 5}, starts{0, 2}, group{0, 0, 1, 1};
+  shardkit::flat_layout layout(numels, starts, 3);
+  const shardkit::param_groups<shardkit::adam_options> groups(
+      std::vector<shardkit::adam_options>{{.lr = 1e-2f}, {.lr = 3e-3f, .weight_decay = 0.1f}});
+  for (std::size_t r = 0; r < 3; ++r) {
+    opt_t whole(layout, r, group, groups), cut(layout, r, group, groups);
+    cut.set_step_parts({1, layout.group(1).shard_offset, layout.shard_numel() - 1});
+    std::vector<shardkit::bf16> g(layout.padded_numel()), w1(g.size()), w2(g.size());
+    for (std::size_t k = 0; k < g.size(); ++k) g[k] = shardkit::bf16(ref::grad_value(1, 0, 0, k));
+    const auto grads = shardkit::flat_span<const shardkit::bf16>::full(g.data(), g.size());
+    for (int t = 0; t < 3; ++t) {
+      whole.step(grads, shardkit::flat_span<shardkit::bf16>::full(w1.data(), w1.size()), 0.5f);
+      cut.bind(grads, shardkit::flat_span<shardkit::bf16>::full(w2.data(), w2.size()));
+      cut.begin_step(0.5f);
+      for (std::size_t p = cut.step_parts(); p-- > 0;) cut.step_part(p);  // last part first
+    }
+    CAPTURE(r);
+    CHECK(cut.step_parts() == 4);
+    for (std::size_t k = 0; k < g.size(); ++k) REQUIRE(w1[k].bits == w2[k].bits);
+    for (std::size_t k = 0; k < layout.shard_numel(); ++k) {
+      REQUIRE(whole.master()[k] == cut.master()[k]);
+      REQUIRE(whole.state(1)[k] == cut.state(1)[k]);
+    }
+  }
+  opt_t unbound(layout, 0, group, groups);
+  CHECK_THROWS_WITH(unbound.begin_step(1.0f), Catch::Contains("bind() first"));
+}
