@@ -35,6 +35,7 @@
 #include <shardkit/plan/planner.hpp>
 
 #include "../common/format.hpp"
+#include "offload_report.hpp"
 #include "parse.hpp"
 
 #include <algorithm>
@@ -87,6 +88,8 @@ constexpr const char* usage_text =
     "  output\n"
     "    --rank R              report the bytes rank R sends (default 0)\n"
     "    --exact               bytes as exact integers instead of GB/MB/kB\n"
+    "    --offload             also print GPU and host bytes with the optimizer in host memory\n"
+    "    --host-mem BYTES      host memory per rank for --offload (default: no limit)\n"
     "    --json                one JSON object (keys documented in README.md)\n"
     "    --help\n";
 
@@ -115,6 +118,8 @@ struct options {
   bool exact = false;
   bool json = false;
   bool help = false;
+  bool offload = false;
+  std::optional<std::uint64_t> host_mem;
 };
 
 [[noreturn]] void bad(const std::string& msg) {
@@ -137,7 +142,7 @@ bool takes_value(std::string_view flag) {
       "--dtype",        "--grad-dtype",  "--optimizer",     "--hybrid",        "--micro-batches",
       "--grad-buffers", "--alignment",   "--prefetch",      "--persist-below", "--max-live",
       "--headroom",     "--activations", "--gpus-per-node", "--intra-bw",      "--inter-bw",
-      "--alpha",        "--intra-alpha", "--inter-alpha",   "--rank"};
+      "--alpha",        "--intra-alpha", "--inter-alpha",   "--rank",          "--host-mem"};
   for (const auto v : valued)
     if (flag == v) return true;
   return false;
@@ -160,6 +165,10 @@ options parse(int argc, char** argv) {
       o.exact = true;
       continue;
     }
+    if (a == "--offload") {
+      o.offload = true;
+      continue;
+    }
     if (a == "--no-reshard") {
       o.reshard = false;
       continue;
@@ -177,6 +186,8 @@ options parse(int argc, char** argv) {
     } else if (a == "--ranks") {
       o.ranks = at_least(a, v, cli::parse_count(a, v), 1);
       if (*o.ranks > (1u << 24)) cli::fail(a, v, "is more ranks than the planner models (2^24)");
+    } else if (a == "--host-mem") {
+      o.host_mem = cli::parse_bytes(a, v);
     } else if (a == "--gpu-mem") {
       o.gpu_mem = at_least(a, v, cli::parse_bytes(a, v), 1);
     } else if (a == "--dtype") {
@@ -240,6 +251,7 @@ using examples::with_commas;
 // Cross-argument checks, and the model they describe.
 std::vector<plan::unit> build_model(options& o) {
   if (!o.ranks) bad("missing --ranks: the number of data-parallel ranks (GPUs), e.g. --ranks 8");
+  if (o.offload && o.json) bad("--offload prints a table; it has no --json form yet");
   if (!o.gpu_mem) bad("missing --gpu-mem: the memory of one GPU, e.g. --gpu-mem 80GB");
   if (!o.params && !o.units) {
     bad("missing --params (the number of parameters, e.g. --params 7e9) or --units (unit sizes)");
@@ -568,6 +580,7 @@ int main(int argc, char** argv) {
       print_json(o, r, model, budget);
     } else {
       print_table(o, r, model, budget);
+      if (o.offload) shardkit_plan::print_offload(r, budget.usable(), o.host_mem);
     }
     return 0;
   } catch (const cli::bad_argument& e) {

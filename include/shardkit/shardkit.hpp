@@ -21,11 +21,13 @@
 #include <shardkit/kernels/host/simd.hpp>
 #include <shardkit/kernels/math.hpp>
 #include <shardkit/plan/formulas.hpp>
+#include <shardkit/plan/offload.hpp>
 #include <shardkit/plan/planner.hpp>
 #include <shardkit/zero/accounting.hpp>
 #include <shardkit/zero/engine.hpp>
 #include <shardkit/zero/full_grads.hpp>
 #include <shardkit/zero/model.hpp>
+#include <shardkit/zero/offload_optimizer.hpp>
 #include <shardkit/zero/policies.hpp>
 #include <shardkit/zero/registry.hpp>
 #include <shardkit/zero/replicated_params.hpp>

@@ -23,7 +23,11 @@ void use(thread_comm& c, const model_spec& m) {
   using device_comm = thread_communicator<cuda_space>;
   engine<device_comm, zero2>* e = nullptr;
   (void)sizeof(*e);
+#elif defined(SHARDKIT_BREAK_OFFLOAD_AT_STAGE_0)
+  engine<thread_comm, policies<OffloadOptimizer>> e(c, m);
 #else
+  engine<thread_comm, zero2_offload> eo(c, m);
+  static_assert(decltype(eo)::stage == 2);
   engine<thread_comm, policies<ShardGrads, ShardOptimizer>> e(c, m);  // order does not matter
   static_assert(decltype(e)::stage == 2);
   engine<thread_comm, zero1> e1(c, m);

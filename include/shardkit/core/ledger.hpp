@@ -28,8 +28,9 @@ enum class memory_category : std::uint8_t {
   grad_buckets,       //!< full-size gradient staging buckets before their reduce-scatter
   comm_scratch,       //!< other communication scratch space
   io_staging,         //!< host staging of initialisation, checkpoints and exports (transient)
+  offload_staging,    //!< host copies of the gradient and working shards of an offloaded step
 };
-inline constexpr std::size_t memory_category_count = 8;
+inline constexpr std::size_t memory_category_count = 9;
 
 constexpr const char* name(memory_category c) noexcept {
   switch (c) {
@@ -49,6 +50,8 @@ constexpr const char* name(memory_category c) noexcept {
       return "comm_scratch";
     case memory_category::io_staging:
       return "io_staging";
+    case memory_category::offload_staging:
+      return "offload_staging";
   }
   return "unknown";
 }

@@ -280,5 +280,30 @@ constexpr std::uint64_t step_bytes_sent(const step_shape& s, std::size_t groups,
   return total;
 }
 
+//! Host bytes one rank holds with the optimizer offloaded (OffloadOptimizer, stages 1-3): the
+//! fp32 master m·S, the optimizer state k·S, and the host copies of the gradient and working
+//! shards the step moves (g·S + w·S, ledger category offload_staging). The device then holds
+//! model_state_bytes() without master and state, plus its usual transient buffers.
+struct offload_host_bytes {
+  std::uint64_t master_params = 0;
+  std::uint64_t optimizer_moments = 0;
+  std::uint64_t staging = 0;
+  constexpr std::uint64_t total() const {
+    constexpr const char* what = "offloaded host bytes";
+    return checked_add<std::uint64_t>(checked_add(master_params, optimizer_moments, what), staging,
+                                      what);
+  }
+  friend constexpr bool operator==(const offload_host_bytes&, const offload_host_bytes&) = default;
+};
+
+//! As above, for a rank's shard of S elements. Raises size_overflow past 64 bits.
+constexpr offload_host_bytes offloaded_host_bytes(std::uint64_t shard, precision p) {
+  constexpr const char* what = "offloaded host bytes";
+  return {
+      checked_mul<std::uint64_t>(p.master_bytes, shard, what),
+      checked_mul<std::uint64_t>(p.state_bytes, shard, what),
+      checked_mul<std::uint64_t>(checked_add(p.grad_bytes, p.working_bytes, what), shard, what)};
+}
+
 }  // namespace accounting
 SHARDKIT_NAMESPACE_END

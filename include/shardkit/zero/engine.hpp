@@ -64,6 +64,7 @@
 #include <shardkit/zero/full_grads.hpp>
 #include <shardkit/zero/initial_values.hpp>
 #include <shardkit/zero/model.hpp>
+#include <shardkit/zero/offload_optimizer.hpp>
 #include <shardkit/zero/policies.hpp>
 #include <shardkit/zero/registry.hpp>
 #include <shardkit/zero/replicated_params.hpp>
@@ -90,12 +91,16 @@ SHARDKIT_NAMESPACE_BEGIN
 
 namespace detail {
 //! The components a policy set selects (see the file comment).
-template <class Comm, class Policies, class Working, class Grad>
+template <class Comm, class Policies, class Working, class Opt, class Grad>
 struct engine_parts {
+  using space = typename Comm::memory_space;
   using params = std::conditional_t<Policies::shard_params, shard_params<Comm, Working>,
                                     replicated_params<Comm, Working>>;
   using grads =
       std::conditional_t<Policies::shard_grads, shard_grads<Comm, Grad>, full_grads<Comm, Grad>>;
+  using optimizer =
+      std::conditional_t<Policies::offload_optimizer, offload_optimizer<space, Opt, Working, Grad>,
+                         shard_optimizer<space, Opt, Working, Grad>>;
 };
 }  // namespace detail
 
@@ -132,9 +137,12 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
     c.set_compute_stream(s);
   };
   //! The components (zero/*.hpp), each usable on its own.
-  using params_component = typename detail::engine_parts<Comm, Policies, Working, Grad>::params;
-  using grads_component = typename detail::engine_parts<Comm, Policies, Working, Grad>::grads;
-  using optimizer_component = shard_optimizer<memory_space, Optimizer, Working, Grad>;
+  using parts = detail::engine_parts<Comm, Policies, Working, Optimizer, Grad>;
+  using params_component = typename parts::params;
+  using grads_component = typename parts::grads;
+  //! shard_optimizer, or offload_optimizer (master and state in host memory) with
+  //! OffloadOptimizer.
+  using optimizer_component = typename parts::optimizer;
   using control_component = step_control<memory_space>;
 
   //! Builds the buffers for `model` and copies its initial values. Collective: the ranks first

@@ -26,13 +26,25 @@ class engine_reports {
             4 * Engine::optimizer_type::state_count};
   }
 
-  //! Model-state bytes per rank that zero/accounting.hpp predicts for this configuration.
+  //! The optimizer's master and state are in host memory (OffloadOptimizer).
+  static constexpr bool offloaded = requires { Engine::optimizer_component::offloads; };
+
+  //! Model-state bytes per rank that zero/accounting.hpp predicts for this configuration, in
+  //! the engine's ledger (memory()): with the optimizer offloaded, no master and no state.
   accounting::state_bytes expected_state_bytes() const noexcept {
     const auto& e = self();
     const auto& l = e.layout();
-    return accounting::model_state_bytes(
+    accounting::state_bytes b = accounting::model_state_bytes(
         Engine::stage, l.numel(), static_cast<std::uint64_t>(e.shard_size()),
         Engine::stage == 0 ? l.numel() : l.shard_numel(), precision());
+    if constexpr (offloaded) b.master_params = b.optimizer_moments = 0;
+    return b;
+  }
+
+  //! With the optimizer offloaded: the host bytes its ledger (optimizer().memory()) holds.
+  accounting::offload_host_bytes expected_host_bytes() const noexcept {
+    static_assert(offloaded, "engine::expected_host_bytes(): only with OffloadOptimizer");
+    return accounting::offloaded_host_bytes(self().layout().shard_numel(), precision());
   }
 
   //! Data bytes per rank per step (one micro-batch) that zero/accounting.hpp predicts for this

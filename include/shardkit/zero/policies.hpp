@@ -32,29 +32,36 @@ struct ShardGrads {
 struct ShardParams {
   static constexpr const char* name = "ShardParams";
 };
+//! The sharded optimizer's master and state in host memory, its step on the host
+//! (zero/offload_optimizer.hpp). Stages 1-3.
+struct OffloadOptimizer {
+  static constexpr const char* name = "OffloadOptimizer";
+};
 
 template <class P>
 inline constexpr bool is_zero_policy =
     std::is_same_v<P, ShardOptimizer> || std::is_same_v<P, ShardGrads> ||
-    std::is_same_v<P, ShardParams>;
+    std::is_same_v<P, ShardParams> || std::is_same_v<P, OffloadOptimizer>;
 
 //! A set of ZeRO policies; see the file comment for the valid sets.
 template <class... Ps>
 struct policies {
   static_assert((is_zero_policy<Ps> && ...),
                 "shardkit::policies<...>: every argument must be one of ShardOptimizer, "
-                "ShardGrads, ShardParams");
+                "ShardGrads, ShardParams, OffloadOptimizer");
 
   static constexpr int count_optimizer = (0 + ... + std::is_same_v<Ps, ShardOptimizer>);
   static constexpr int count_grads = (0 + ... + std::is_same_v<Ps, ShardGrads>);
   static constexpr int count_params = (0 + ... + std::is_same_v<Ps, ShardParams>);
+  static constexpr int count_offload = (0 + ... + std::is_same_v<Ps, OffloadOptimizer>);
 
-  static_assert(count_optimizer <= 1 && count_grads <= 1 && count_params <= 1,
+  static_assert(count_optimizer <= 1 && count_grads <= 1 && count_params <= 1 && count_offload <= 1,
                 "shardkit::policies<...>: a policy is listed twice");
 
   static constexpr bool shard_optimizer = count_optimizer == 1;
   static constexpr bool shard_grads = count_grads == 1;
   static constexpr bool shard_params = count_params == 1;
+  static constexpr bool offload_optimizer = count_offload == 1;
 
   static_assert(!shard_grads || shard_optimizer,
                 "shardkit::policies<...>: ShardGrads needs ShardOptimizer. Sharded gradients "
@@ -64,6 +71,12 @@ struct policies {
                 "shardkit::policies<...>: ShardParams needs ShardOptimizer and ShardGrads. "
                 "ZeRO-3 shards parameters on top of ZeRO-2 (sharded optimizer state and "
                 "gradients): use policies<ShardOptimizer, ShardGrads, ShardParams> (zero3)");
+
+  static_assert(!offload_optimizer || shard_optimizer,
+                "shardkit::policies<...>: OffloadOptimizer needs ShardOptimizer. Offload moves "
+                "the optimizer's shard to the host (stages 1-3); at stage 0 every rank would "
+                "copy and step the whole model: use zero1_offload, zero2_offload or "
+                "zero3_offload");
 
   //! The ZeRO stage this set implements (0-3).
   static constexpr int stage = shard_params ? 3 : shard_grads ? 2 : shard_optimizer ? 1 : 0;
@@ -78,6 +91,10 @@ using zero0 = policies<>;
 using zero1 = policies<ShardOptimizer>;
 using zero2 = policies<ShardOptimizer, ShardGrads>;
 using zero3 = policies<ShardOptimizer, ShardGrads, ShardParams>;
+//! Stages 1-3 with the optimizer's master, state and step in host memory.
+using zero1_offload = policies<ShardOptimizer, OffloadOptimizer>;
+using zero2_offload = policies<ShardOptimizer, ShardGrads, OffloadOptimizer>;
+using zero3_offload = policies<ShardOptimizer, ShardGrads, ShardParams, OffloadOptimizer>;
 
 namespace detail {
 template <int N>

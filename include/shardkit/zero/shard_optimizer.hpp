@@ -226,6 +226,36 @@ class shard_optimizer {
   //! shard coordinates: the same slices). Counts as step steps() + 1.
   void step(flat_span<const Grad, Space> grads, flat_span<Working, Space> working, float grad_scale,
             float lr_scale = 1.0f) {
+    bind(grads, working);
+    begin_step(grad_scale, lr_scale);
+    for (std::size_t p = 0; p < plans_.size(); ++p) step_part(p);
+  }
+
+  //! Cuts the step into parts at these shard offsets (ascending, each in (0, S)): part p steps
+  //! the elements of the shard in [bound p-1, bound p) (0 and S at the ends). Every element is
+  //! stepped once with the same arithmetic, so the parts in any order give the bits of one step;
+  //! a caller that moves the shard in pieces (the offloaded optimizer) steps each piece as it
+  //! arrives. Takes effect at the next bind().
+  void set_step_parts(std::vector<std::size_t> bounds) {
+    for (std::size_t i = 0; i < bounds.size(); ++i) {
+      if (bounds[i] == 0 || bounds[i] >= layout_->shard_numel() ||
+          (i > 0 && bounds[i] <= bounds[i - 1])) {
+        detail::raise(
+            "shard_optimizer::set_step_parts: part bounds must ascend strictly inside "
+            "(0, ",
+            layout_->shard_numel(), "), got ", bounds[i], " at #", i);
+      }
+    }
+    part_bounds_ = std::move(bounds);
+    plans_.clear();
+  }
+  //! Parts of the step (1 unless set_step_parts cut it).
+  std::size_t step_parts() const noexcept { return part_bounds_.size() + 1; }
+
+  //! Starts a step of the bound buffers (bind() first): checks the scales and fixes every group's
+  //! constants; step_part(p) then steps part p. Counts as step steps() + 1.
+  void begin_step(float grad_scale, float lr_scale = 1.0f) {
+    if (plans_.empty()) detail::raise<usage_error>("shard_optimizer::begin_step: bind() first");
     if (!std::isfinite(lr_scale) || lr_scale < 0.0f) {
       detail::raise(
           "shard_optimizer::step: the learning-rate scale must be finite and "
@@ -235,12 +265,18 @@ class shard_optimizer {
     if (!std::isfinite(grad_scale)) {
       detail::raise("shard_optimizer::step: the gradient scale must be finite, got ", grad_scale);
     }
-    bind(grads, working);
     ++steps_;
-    std::vector<typename Opt::constants> k;
-    k.reserve(groups_.size());
-    for (const auto& o : groups_) k.push_back(Opt::prepare(o, steps_, o.lr * lr_scale, grad_scale));
-    plan_->launch(std::span<const typename Opt::constants>(k));
+    constants_.clear();
+    constants_.reserve(groups_.size());
+    for (const auto& o : groups_)
+      constants_.push_back(Opt::prepare(o, steps_, o.lr * lr_scale, grad_scale));
+  }
+  //! Steps part p of the step begun by begin_step().
+  void step_part(std::size_t p) {
+    if (p >= plans_.size()) {
+      detail::raise("shard_optimizer::step_part: part ", p, " of ", plans_.size());
+    }
+    plans_[p].launch(std::span<const typename Opt::constants>(constants_));
   }
 
   //! Prepares the step for these buffers (step() does it when they change; a device plan is a
@@ -248,32 +284,47 @@ class shard_optimizer {
   void bind(flat_span<const Grad, Space> grads, flat_span<Working, Space> working) {
     grads.check(*layout_, "shard_optimizer::step", "gradient");
     working.check(*layout_, "shard_optimizer::step", "working-parameter");
-    if (plan_ && grads.data == bound_grads_.data && grads.coords == bound_grads_.coords &&
+    if (!plans_.empty() && grads.data == bound_grads_.data && grads.coords == bound_grads_.coords &&
         working.data == bound_working_.data && working.coords == bound_working_.coords) {
       return;
     }
-    std::vector<step_run<Opt, Grad, Working>> table;
-    table.reserve(runs_.size());
-    for (const auto& ru : runs_) {
-      step_run<Opt, Grad, Working> sr;
-      for (std::size_t s = 0; s < state_count; ++s)
-        sr.state[s] = state_[s].data() + ru.shard_offset;
-      sr.grads = grads.data + offset(grads.coords, ru);
-      Working* w = working.data + offset(working.coords, ru);
-      if constexpr (has_master) {
-        sr.params = master_.data() + ru.shard_offset;
-        sr.working = w;
-      } else {
-        sr.params = w;
+    std::vector<std::vector<step_run<Opt, Grad, Working>>> tables(step_parts());
+    for (const auto& whole : runs_) {
+      // The run cut at the part bounds: elements [b, e) of the shard go to the part holding b.
+      std::size_t b = whole.shard_offset;
+      const std::size_t end = whole.shard_offset + whole.count;
+      while (b < end) {
+        const auto next = std::upper_bound(part_bounds_.begin(), part_bounds_.end(), b);
+        const std::size_t part = static_cast<std::size_t>(next - part_bounds_.begin());
+        const std::size_t e = next == part_bounds_.end() ? end : std::min(end, *next);
+        run ru = whole;
+        ru.shard_offset = b;
+        ru.full_offset = whole.full_offset + (b - whole.shard_offset);
+        ru.count = e - b;
+        step_run<Opt, Grad, Working> sr;
+        for (std::size_t s = 0; s < state_count; ++s)
+          sr.state[s] = state_[s].data() + ru.shard_offset;
+        sr.grads = grads.data + offset(grads.coords, ru);
+        Working* w = working.data + offset(working.coords, ru);
+        if constexpr (has_master) {
+          sr.params = master_.data() + ru.shard_offset;
+          sr.working = w;
+        } else {
+          sr.params = w;
+        }
+        sr.count = ru.count;
+        sr.group = ru.group;
+        tables[part].push_back(sr);
+        b = e;
       }
-      sr.count = ru.count;
-      sr.group = ru.group;
-      table.push_back(sr);
     }
     [[maybe_unused]] auto on_stream = ops_.scope();
-    plan_.reset();
-    plan_.emplace(ops_.template make_step_plan<Opt, Grad, Working>(
-        std::span<const step_run<Opt, Grad, Working>>(table), groups_.size()));
+    plans_.clear();
+    plans_.reserve(tables.size());
+    for (const auto& t : tables) {
+      plans_.push_back(ops_.template make_step_plan<Opt, Grad, Working>(
+          std::span<const step_run<Opt, Grad, Working>>(t), groups_.size()));
+    }
     bound_grads_ = grads;
     bound_working_ = working;
   }
@@ -351,7 +402,9 @@ class shard_optimizer {
   std::vector<run> runs_;
   std::conditional_t<has_master, buffer<float, Space>, std::byte> master_{};
   buffer<float, Space> state_[state_count > 0 ? state_count : 1];
-  std::optional<typename space_ops<Space>::template step_plan<Opt, Grad, Working>> plan_;
+  std::vector<std::size_t> part_bounds_;
+  std::vector<typename space_ops<Space>::template step_plan<Opt, Grad, Working>> plans_;
+  std::vector<typename Opt::constants> constants_;
   flat_span<const Grad, Space> bound_grads_{};
   flat_span<Working, Space> bound_working_{};
   std::uint64_t steps_ = 0;
