@@ -5,10 +5,15 @@
 //! drives progress (on call or from a progress thread), turns a collective that waits longer
 //! than the timeout into comm_timeout (the communicator is unusable after, since MPI cannot
 //! withdraw an operation), and runs the optional matching check before each collective.
+//!
+//! Ranks are named by their rank in this communicator and, when it is not MPI_COMM_WORLD, their
+//! world rank (comm/mpi/signatures.hpp). The divergence signatures are point-to-point messages,
+//! so a timeout can name the ranks whose signature never came: those that did not issue it.
 #pragma once
 
 #include <shardkit/comm/communicator.hpp>
 #include <shardkit/comm/detail/frontend.hpp>
+#include <shardkit/comm/mpi/signatures.hpp>
 #include <shardkit/comm/mpi/support.hpp>
 #include <shardkit/comm/volume.hpp>
 #include <shardkit/config.hpp>
@@ -45,6 +50,7 @@ class mpi_state {
       : comm_(comm), phase2_(phase2), owns_comm_(owns_comm), opts_(opts) {
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
+    names_ = mpi_names(comm_);
   }
   mpi_state(const mpi_state&) = delete;
   mpi_state& operator=(const mpi_state&) = delete;
@@ -74,7 +80,7 @@ class mpi_state {
       if (opts_.detect_divergence && !opts_.check_matching) start_signature_exchange(*op);
       start(*op);
     } catch (...) {
-      broken_ = concat(op->what(), " could not be started on rank ", rank_);
+      broken_ = concat(op->what(), " could not be started on ", me());
       throw;
     }
     return op;
@@ -111,11 +117,12 @@ class mpi_state {
     if (opts_.check_matching || opts_.detect_divergence) check_matching(lk, d, true, call);
     const std::string what = concat("split(color ", color, ", key ", key, ") (call #", call, ")");
     MPI_Comm a = MPI_COMM_NULL, b = MPI_COMM_NULL;
-    mpi_check(MPI_Comm_split(comm_, color, key, &a), "MPI_Comm_split", what, rank_, size_);
+    mpi_check(MPI_Comm_split(comm_, color, key, &a), "MPI_Comm_split", what, rank_, size_,
+              world_arg());
     MPI_Comm_set_errhandler(a, MPI_ERRORS_RETURN);
     const int rc = MPI_Comm_dup(a, &b);
     if (rc != MPI_SUCCESS) MPI_Comm_free(&a);
-    mpi_check(rc, "MPI_Comm_dup", what, rank_, size_);
+    mpi_check(rc, "MPI_Comm_dup", what, rank_, size_, world_arg());
     return std::make_shared<mpi_state>(a, b, true, opts_);
   }
 
@@ -166,6 +173,7 @@ class mpi_state {
       new std::deque<std::shared_ptr<mpi_op>>(std::move(queue_));
       new std::vector<std::shared_ptr<mpi_op>>(std::move(failed_));
       new std::vector<std::int64_t>(std::move(check_buffer_));
+      new std::vector<MPI_Request>(std::move(check_requests_));
       queue_.clear();
       return;
     }
@@ -188,8 +196,7 @@ class mpi_state {
       if (broken_.empty()) drive();
       if (done()) return;
       if (!broken_.empty()) {
-        throw comm_aborted(concat("mpi_comm: rank ", rank_, " of ", size_,
-                                  ": the communicator is unusable: ", broken_));
+        throw comm_aborted(concat("mpi_comm: ", me(), ": the communicator is unusable: ", broken_));
       }
       const auto waited_for = std::chrono::steady_clock::now() - t0;
       if (opts_.timeout.count() > 0 && waited_for > opts_.timeout) {
@@ -197,12 +204,14 @@ class mpi_state {
         if (!queue_.empty() && queue_.front()->what() != what) {
           what = concat(queue_.front()->what(), " (waiting for ", what, ")");
         }
-        broken_ = concat(what, " timed out after ", opts_.timeout.count(), " ms on rank ", rank_);
+        const std::string missing = missing_ranks();
+        broken_ = concat(what, " timed out after ", opts_.timeout.count(), " ms on ", me());
         throw comm_timeout(concat(
-            "mpi_comm: ", what, " timed out after ", opts_.timeout.count(), " ms on rank ", rank_,
-            " of ", size_,
+            "mpi_comm: ", what, " timed out after ", opts_.timeout.count(), " ms on ", me(),
             ": not every rank reached it (a rank died, hangs, or issued fewer or different "
-            "collectives); MPI cannot withdraw it, so this communicator is unusable now: end the "
+            "collectives): ",
+            missing,
+            "; MPI cannot withdraw it, so this communicator is unusable now: end the "
             "job (shardkit::mpi_main calls MPI_Abort when this exception leaves your function)"));
       }
       lk.unlock();
@@ -230,11 +239,9 @@ class mpi_state {
   bool advance(mpi_op& op) {
     try {
       if (!op.signatures_compared) {
-        int flag = 0;
-        check(MPI_Test(&op.signature_request, &flag, MPI_STATUS_IGNORE), "MPI_Test", op);
-        if (!flag) return false;
+        if (!signatures_arrived(op.signature_requests, op.what(), names_)) return false;
         op.signatures_compared = true;
-        compare_signatures(op.signatures.data(), op.call);
+        compare_signatures(op.signatures.data(), op.call, names_);
       }
       while (!op.done()) {
         if (!requests_done(op)) return false;
@@ -248,7 +255,7 @@ class mpi_state {
     } catch (...) {
       op.error = std::current_exception();
       op.stage = 2;
-      broken_ = concat(op.what(), " failed on rank ", rank_);
+      broken_ = concat(op.what(), " failed on ", me());
     }
     return true;
   }
@@ -430,59 +437,39 @@ class mpi_state {
     }
   }
 
-  static constexpr int signature_fields = 6;
-
-  // This rank's signature of `d` at `mine` (signature_fields values).
-  static void write_signature(std::int64_t* mine, const collective_desc& d, bool is_split) {
-    mine[0] = static_cast<std::int64_t>(d.kind);
-    mine[1] = static_cast<std::int64_t>(d.type);
-    mine[2] = static_cast<std::int64_t>(d.count);
-    mine[3] = static_cast<std::int64_t>(d.op);
-    mine[4] = static_cast<std::int64_t>(d.root);
-    mine[5] = is_split ? 1 : 0;
-  }
-
-  // Starts gathering every rank's signature of `op` (before op itself, in issue order on
-  // comm_, so the k-th exchange of every rank is the same MPI call even when the collectives
-  // differ).
+  // Starts exchanging this rank's signature of `op` with every other rank (before op itself,
+  // in issue order: messages between two ranks never overtake each other, so the k-th
+  // signature a rank receives from q is q's k-th collective even when the collectives differ).
   void start_signature_exchange(mpi_op& op) {
-    const auto N = static_cast<std::size_t>(size_);
-    op.signatures.assign((N + 1) * signature_fields, 0);
-    std::int64_t* mine = op.signatures.data() + N * signature_fields;
-    write_signature(mine, op.desc, false);
-    check(MPI_Iallgather(mine, signature_fields, MPI_INT64_T, op.signatures.data(),
-                         signature_fields, MPI_INT64_T, comm_, &op.signature_request),
-          "MPI_Iallgather", op);
+    op.signatures.assign(static_cast<std::size_t>(size_) * signature_fields, 0);
+    write_signature(op.signatures.data() + static_cast<std::size_t>(rank_) * signature_fields,
+                    op.desc, false);
+    post_signatures(op.signatures.data(), op.signature_requests, op.what(), phase2_, names_);
     op.signatures_compared = false;
   }
 
-  // Throws collective_mismatch (on every rank: each compares the same gathered values) unless
-  // the N signatures at `all` agree.
-  void compare_signatures(const std::int64_t* all, std::uint64_t call) const {
-    const auto N = static_cast<std::size_t>(size_);
-    auto desc_of = [&](std::size_t q, bool& split) {
-      const std::int64_t* f = all + q * signature_fields;
-      collective_desc x;
-      x.kind = static_cast<collective>(f[0]);
-      x.type = static_cast<dtype>(f[1]);
-      x.count = static_cast<std::size_t>(f[2]);
-      x.op = static_cast<reduce_op>(f[3]);
-      x.root = static_cast<int>(f[4]);
-      split = f[5] != 0;
-      return x;
-    };
-    bool split0 = false;
-    const collective_desc d0 = desc_of(0, split0);
-    for (std::size_t q = 1; q < N; ++q) {
-      bool split_q = false;
-      const collective_desc dq = desc_of(q, split_q);
-      if (split_q != split0 || (!split0 && !dq.matches(d0))) {
-        throw collective_mismatch(
-            concat(mismatch_message(call, d0, split0, static_cast<int>(q), dq, split_q),
-                   "; seen on rank ", rank_));
-      }
+  // The ranks whose signature of the collective being waited for has not arrived, as text for
+  // a timeout message.
+  std::string missing_ranks() const {
+    const std::vector<MPI_Request>* reqs = nullptr;
+    if (checking_) {
+      reqs = &check_requests_;
+    } else if (!queue_.empty() && !queue_.front()->signatures_compared) {
+      reqs = &queue_.front()->signature_requests;
     }
+    if (reqs == nullptr) {
+      if (!opts_.detect_divergence && !opts_.check_matching) {
+        return "which ranks is unknown (detect_divergence is off)";
+      }
+      return "every rank issued it (one may have stopped driving MPI, waiting elsewhere)";
+    }
+    const std::vector<int> missing = missing_senders(*reqs, names_);
+    if (missing.empty()) return "every rank issued it; this rank's own messages are stuck";
+    return concat(names_.ranks(missing), " did not issue it");
   }
+
+  std::string me() const { return names_.me(); }
+  int world_arg() const noexcept { return names_.world_arg(); }
 
   // Compares what every rank is about to call before it starts (blocking; check_matching, and
   // split() with either check).
@@ -491,36 +478,33 @@ class mpi_state {
     const auto N = static_cast<std::size_t>(size_);
     // Kept in the state: if the exchange times out, MPI may still use the buffer later (close()
     // then never frees it).
-    check_buffer_.assign((N + 1) * signature_fields, 0);
-    std::int64_t* mine = check_buffer_.data() + N * signature_fields;
-    write_signature(mine, d, is_split);
-    MPI_Request req = MPI_REQUEST_NULL;
+    check_buffer_.assign(N * signature_fields, 0);
+    write_signature(check_buffer_.data() + static_cast<std::size_t>(rank_) * signature_fields, d,
+                    is_split);
     const std::string what = concat(describe(d, is_split), " (call #", call, ", matching check)");
-    mpi_check(MPI_Iallgather(mine, signature_fields, MPI_INT64_T, check_buffer_.data(),
-                             signature_fields, MPI_INT64_T, comm_, &req),
-              "MPI_Iallgather", what, rank_, size_);
+    post_signatures(check_buffer_.data(), check_requests_, what, phase2_, names_);
+    checking_ = true;
+    struct not_checking {
+      bool& flag;
+      ~not_checking() { flag = false; }
+    } guard{checking_};
     poll(
-        lk,
-        [&] {
-          int flag = 0;
-          mpi_check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test", what, rank_, size_);
-          return flag != 0;
-        },
+        lk, [&] { return signatures_arrived(check_requests_, what, names_); },
         [&] { return what; });
-    compare_signatures(check_buffer_.data(), call);
+    compare_signatures(check_buffer_.data(), call, names_);
   }
 
   template <class What>
   void throw_if_broken(What what) const {
     if (!broken_.empty()) {
-      throw comm_aborted(concat("mpi_comm: ", what(), " on rank ", rank_, " of ", size_,
-                                ": the communicator is unusable: ", broken_));
+      throw comm_aborted(
+          concat("mpi_comm: ", what(), " on ", me(), ": the communicator is unusable: ", broken_));
     }
   }
 
   // Throws comm_error naming `op` when an MPI call failed (the message is built only then).
   void check(int rc, const char* mpi_function, const mpi_op& op) const {
-    if (rc != MPI_SUCCESS) mpi_check(rc, mpi_function, op.what(), rank_, size_);
+    if (rc != MPI_SUCCESS) mpi_check(rc, mpi_function, op.what(), rank_, size_, world_arg());
   }
 
   void progress_loop() {
@@ -551,6 +535,9 @@ class mpi_state {
   std::deque<std::shared_ptr<mpi_op>> queue_;
   std::vector<std::shared_ptr<mpi_op>> failed_;  // kept: MPI may still use their buffers
   std::vector<std::int64_t> check_buffer_;
+  std::vector<MPI_Request> check_requests_;  // the matching check's signature exchange
+  bool checking_ = false;                    // waiting for check_requests_
+  mpi_names names_;                          // how messages name this communicator's ranks
   std::uint64_t calls_ = 0;
   std::string broken_;  // why the communicator is unusable; empty while it is fine
   bool closed_ = false;

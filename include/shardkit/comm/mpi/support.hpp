@@ -58,9 +58,10 @@ struct mpi_comm_options {
   //! short enough that a dead or stuck rank ends the job in minutes rather than hours.
   std::chrono::milliseconds timeout{std::chrono::minutes(2)};
   //! With each collective, exchange its kind, element type, count, operation and root across
-  //! the ranks (one small MPI_Iallgather of 48 bytes per rank, issued just before the collective
-  //! and completed with it; issuing never waits for it) and throw collective_mismatch on every
-  //! rank when they differ, instead of waiting for the timeout. The mismatched collective was
+  //! the ranks (a 48-byte message to every other rank, sent just before the collective and
+  //! completed with it; issuing never waits for it) and throw collective_mismatch on every
+  //! rank when they differ, instead of waiting for the timeout. The messages also tell a
+  //! comm_timeout which ranks never issued the collective it names. The mismatched collective was
   //! started, so the communicator is unusable after (as after comm_timeout). On by default:
   //! one small message per collective (benchmarks/README.md gives the cost).
   bool detect_divergence = true;
@@ -115,10 +116,12 @@ inline std::string mpi_error_text(int code) {
 }
 
 //! Throws comm_error when an MPI call did not return MPI_SUCCESS.
-inline void mpi_check(int rc, const char* mpi_function, const std::string& what, int rank,
-                      int size) {
+//! `world` (when not negative) is the rank's rank in MPI_COMM_WORLD, named after its own.
+inline void mpi_check(int rc, const char* mpi_function, const std::string& what, int rank, int size,
+                      int world = -1) {
   if (rc == MPI_SUCCESS) return;
-  throw comm_error(concat("mpi_comm: ", what, " failed on rank ", rank, " of ", size, ": ",
+  throw comm_error(concat("mpi_comm: ", what, " failed on rank ", rank, " of ", size,
+                          world >= 0 ? concat(" (world rank ", world, ")") : std::string(), ": ",
                           mpi_function, " returned ", mpi_error_text(rc)));
 }
 
@@ -171,10 +174,11 @@ struct mpi_op {
   std::vector<part> parts;
   std::unique_ptr<std::byte[]> scratch;
   std::vector<MPI_Request> requests;
-  //! check_matching: every rank's signature of this collective (mpi_state::signature_fields
-  //! each), the request that gathers them, and whether they were compared.
+  //! detect_divergence: every rank's signature of this collective (mpi_state::signature_fields
+  //! each, in rank order), the point-to-point requests that exchange them (a receive from each
+  //! other rank in rank order, then the sends), and whether they were compared.
   std::vector<std::int64_t> signatures;
-  MPI_Request signature_request = MPI_REQUEST_NULL;
+  std::vector<MPI_Request> signature_requests;
   bool signatures_compared = true;
   int stage = 0;  // 0: first MPI calls in flight, 1: all_reduce's all-gather in flight, 2: done
   std::exception_ptr error;
