@@ -277,7 +277,7 @@ TEST_CASE("a rank that arrives too late makes the others fail with comm_timeout,
                                           std::to_string(q) + ")") &&
                               Catch::Contains("not every rank reached it") &&
                               Catch::Contains("rank(s) {2} of 3 (world rank(s) {2}) did not "
-                                              "issue it"));
+                                              "answer"));
     REQUIRE_THAT(msgs[1], Catch::Contains("all_reduce(fp32, count 1, sum)") &&
                               Catch::Contains("unusable") && Catch::Contains("timed out"));
   }
@@ -318,7 +318,7 @@ TEST_CASE("a timeout in a split communicator names the missing ranks by world ra
   REQUIRE(m[2].empty());
   REQUIRE(m[3] == "late");
   REQUIRE_THAT(m[1], Catch::Contains("timed out after 300 ms on rank 0 of 2 (world rank 1)") &&
-                         Catch::Contains("rank(s) {1} of 2 (world rank(s) {3}) did not issue it"));
+                         Catch::Contains("rank(s) {1} of 2 (world rank(s) {3}) did not answer"));
 }
 
 TEST_CASE("a borrowed MPI communicator is used as is and never freed", "[mpi]") {

@@ -1,12 +1,10 @@
 //! \file comm/mpi/signatures.hpp
-//! How an mpi_comm names ranks in its errors, and the signatures by which its ranks compare
-//! the collectives they issue (detect_divergence, check_matching).
+//! How an mpi_comm names ranks in its errors: the names themselves, the signatures by which its
+//! ranks compare the collectives they issue (detect_divergence, check_matching), and the roll
+//! call by which a timeout finds the ranks that did not issue the collective.
 //!
 //! Every message names a rank by its rank in the communicator and, when the communicator is not
-//! MPI_COMM_WORLD (a split, a sub-group of hybrid sharding), by its world rank too. A signature
-//! (kind, element type, count, operation, root, split: 48 bytes) goes from each rank to each
-//! other one as a point-to-point message; a rank whose signature never arrives is a rank that
-//! did not issue the collective, which is what a timeout reports.
+//! MPI_COMM_WORLD (a split, a sub-group of hybrid sharding), by its world rank too.
 #pragma once
 
 #include <shardkit/comm/communicator.hpp>
@@ -17,9 +15,15 @@
 
 #include <mpi.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <memory>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 SHARDKIT_NAMESPACE_BEGIN
@@ -79,7 +83,6 @@ struct mpi_names {
 };
 
 inline constexpr int signature_fields = 6;
-inline constexpr int signature_tag = 0x5348;  // on the communicator's second MPI communicator
 
 //! This rank's signature of `d` at `mine` (signature_fields values).
 inline void write_signature(std::int64_t* mine, const collective_desc& d, bool is_split) {
@@ -91,51 +94,118 @@ inline void write_signature(std::int64_t* mine, const collective_desc& d, bool i
   mine[5] = is_split ? 1 : 0;
 }
 
-//! Posts a receive of each other rank's signature into `all` (rank order) and sends this rank's
-//! (already at its place in `all`) to each, on `comm` (one that carries no other
-//! point-to-point messages). `reqs`: the receives in rank order, then the sends.
-inline void post_signatures(std::int64_t* all, std::vector<MPI_Request>& reqs,
-                            const std::string& what, MPI_Comm comm, const mpi_names& n) {
-  reqs.assign(2 * static_cast<std::size_t>(n.size - 1), MPI_REQUEST_NULL);
-  std::size_t k = 0;
-  for (int q = 0; q < n.size; ++q) {
-    if (q == n.rank) continue;
-    mpi_check(MPI_Irecv(all + static_cast<std::size_t>(q) * signature_fields, signature_fields,
-                        MPI_INT64_T, q, signature_tag, comm, &reqs[k++]),
-              "MPI_Irecv", what, n.rank, n.size, n.world_arg());
-  }
-  const std::int64_t* mine = all + static_cast<std::size_t>(n.rank) * signature_fields;
-  for (int q = 0; q < n.size; ++q) {
-    if (q == n.rank) continue;
-    mpi_check(MPI_Isend(mine, signature_fields, MPI_INT64_T, q, signature_tag, comm, &reqs[k++]),
-              "MPI_Isend", what, n.rank, n.size, n.world_arg());
-  }
-}
+//! The roll call that names the ranks a timed-out collective waits for. The rank that times out
+//! at call #k asks every other rank how many collectives it has issued (a point-to-point
+//! message on the communicator's second MPI communicator, which carries no other
+//! point-to-point messages); a rank answers while it waits in a collective of its own (after
+//! 1 ms) or from its progress thread. Ranks that issued fewer than k did not issue it; ranks
+//! that do not answer within the grace period hang outside the collectives (or died). Costs
+//! nothing until a collective times out.
+class mpi_roll_call {
+ public:
+  static constexpr int query_tag = 0x5351;
+  static constexpr int reply_tag = 0x5352;
 
-//! Tests every request of a signature exchange (completed ones become MPI_REQUEST_NULL); true
-//! when all are complete.
-inline bool signatures_arrived(std::vector<MPI_Request>& reqs, const std::string& what,
-                               const mpi_names& n) {
-  bool all = true;
-  for (auto& req : reqs) {
-    if (req == MPI_REQUEST_NULL) continue;
-    int flag = 0;
-    mpi_check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test", what, n.rank, n.size,
-              n.world_arg());
-    all = all && flag != 0;
+  //! Answers the queries that have arrived with `issued` (collectives issued so far). A query
+  //! says its sender waits at call #k: it has issued k collectives, which is remembered.
+  void answer(MPI_Comm comm, const mpi_names& n, std::uint64_t issued) {
+    for (;;) {
+      int flag = 0;
+      MPI_Status st;
+      if (MPI_Iprobe(MPI_ANY_SOURCE, query_tag, comm, &flag, &st) != MPI_SUCCESS || !flag) break;
+      std::int64_t asked = 0;
+      MPI_Recv(&asked, 1, MPI_INT64_T, st.MPI_SOURCE, query_tag, comm, MPI_STATUS_IGNORE);
+      heard(n, st.MPI_SOURCE, asked);
+      send(comm, st.MPI_SOURCE, reply_tag, static_cast<std::int64_t>(issued));
+    }
   }
-  return all;
-}
 
-//! The ranks whose signature has not arrived (after signatures_arrived() tested the requests).
-inline std::vector<int> missing_senders(const std::vector<MPI_Request>& reqs, const mpi_names& n) {
-  std::vector<int> missing;
-  for (int q = 0, k = 0; q < n.size; ++q) {
-    if (q == n.rank) continue;
-    if (reqs[static_cast<std::size_t>(k++)] != MPI_REQUEST_NULL) missing.push_back(q);
+  //! Asks every other rank not yet known to have issued call #k, waits up to `grace` for the
+  //! answers (answering queries meanwhile), and describes the ranks that did not issue it.
+  std::string ask(MPI_Comm comm, const mpi_names& n, std::uint64_t k, std::uint64_t issued,
+                  std::chrono::milliseconds grace) {
+    if (heard_.empty()) heard_.assign(static_cast<std::size_t>(n.size), -1);
+    answer(comm, n, issued);
+    const auto K = static_cast<std::int64_t>(k);
+    std::vector<char> replied(static_cast<std::size_t>(n.size), 0);
+    int pending = 0;
+    for (int q = 0; q < n.size; ++q) {
+      if (q == n.rank || heard_[static_cast<std::size_t>(q)] >= K) continue;
+      send(comm, q, query_tag, K);
+      ++pending;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + grace;
+    while (pending > 0 && std::chrono::steady_clock::now() < deadline) {
+      answer(comm, n, issued);
+      int flag = 0;
+      MPI_Status st;
+      if (MPI_Iprobe(MPI_ANY_SOURCE, reply_tag, comm, &flag, &st) == MPI_SUCCESS && flag) {
+        std::int64_t got = 0;
+        MPI_Recv(&got, 1, MPI_INT64_T, st.MPI_SOURCE, reply_tag, comm, MPI_STATUS_IGNORE);
+        heard(n, st.MPI_SOURCE, got);
+        auto& r = replied[static_cast<std::size_t>(st.MPI_SOURCE)];
+        if (!r) --pending;
+        r = 1;
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+    }
+    std::vector<int> behind, silent;
+    std::string at;
+    for (int q = 0; q < n.size; ++q) {
+      const std::int64_t h = heard_[static_cast<std::size_t>(q)];
+      if (q == n.rank || h >= K) continue;
+      if (replied[static_cast<std::size_t>(q)]) {
+        behind.push_back(q);
+        at += concat(at.empty() ? "" : ", ", n.who(q), " has issued ", h);
+      } else {
+        silent.push_back(q);
+      }
+    }
+    std::string out;
+    if (!behind.empty()) {
+      out = concat(n.ranks(behind), " did not issue it (", at, " collective(s))");
+    }
+    if (!silent.empty()) {
+      out +=
+          concat(out.empty() ? "" : "; ", n.ranks(silent), " did not answer within ", grace.count(),
+                 " ms: they hang outside this communicator's collectives, or died");
+    }
+    if (out.empty()) out = "every rank issued it (one may have stopped driving MPI)";
+    return out;
   }
-  return missing;
-}
+
+  //! True when every message this roll call sent has completed (its buffers may be freed).
+  bool settled() {
+    while (!sent_.empty()) {
+      int flag = 0;
+      MPI_Test(&sent_.front().second, &flag, MPI_STATUS_IGNORE);
+      if (!flag) return false;
+      sent_.pop_front();
+    }
+    return true;
+  }
+
+ private:
+  // A small message whose buffer and request outlive the call (completed ones are dropped).
+  void send(MPI_Comm comm, int to, int tag, std::int64_t value) {
+    while (!sent_.empty()) {
+      int flag = 0;
+      MPI_Test(&sent_.front().second, &flag, MPI_STATUS_IGNORE);
+      if (!flag) break;
+      sent_.pop_front();
+    }
+    sent_.emplace_back(std::make_unique<std::int64_t>(value), MPI_REQUEST_NULL);
+    MPI_Isend(sent_.back().first.get(), 1, MPI_INT64_T, to, tag, comm, &sent_.back().second);
+  }
+  void heard(const mpi_names& n, int q, std::int64_t issued) {
+    if (heard_.empty()) heard_.assign(static_cast<std::size_t>(n.size), -1);
+    auto& h = heard_[static_cast<std::size_t>(q)];
+    h = std::max(h, issued);
+  }
+  std::deque<std::pair<std::unique_ptr<std::int64_t>, MPI_Request>> sent_;
+  std::vector<std::int64_t> heard_;  // per rank: most collectives it is known to have issued
+};
 
 //! Throws collective_mismatch (on every rank: each compares the same values) unless the
 //! signatures at `all` (rank order) agree.

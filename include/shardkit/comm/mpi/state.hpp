@@ -7,8 +7,8 @@
 //! withdraw an operation), and runs the optional matching check before each collective.
 //!
 //! Ranks are named by their rank in this communicator and, when it is not MPI_COMM_WORLD, their
-//! world rank (comm/mpi/signatures.hpp). The divergence signatures are point-to-point messages,
-//! so a timeout can name the ranks whose signature never came: those that did not issue it.
+//! world rank; a timeout names the ranks that did not issue the collective, found by a roll
+//! call (comm/mpi/signatures.hpp).
 #pragma once
 
 #include <shardkit/comm/communicator.hpp>
@@ -173,11 +173,12 @@ class mpi_state {
       new std::deque<std::shared_ptr<mpi_op>>(std::move(queue_));
       new std::vector<std::shared_ptr<mpi_op>>(std::move(failed_));
       new std::vector<std::int64_t>(std::move(check_buffer_));
-      new std::vector<MPI_Request>(std::move(check_requests_));
+      new mpi_roll_call(std::move(roll_));
       queue_.clear();
       return;
     }
     if (!mpi_finalized()) {
+      if (!roll_.settled()) new mpi_roll_call(std::move(roll_));  // MPI still reads its buffers
       if (phase2_ != MPI_COMM_NULL) MPI_Comm_free(&phase2_);
       if (owns_comm_ && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
     }
@@ -214,6 +215,8 @@ class mpi_state {
             "; MPI cannot withdraw it, so this communicator is unusable now: end the "
             "job (shardkit::mpi_main calls MPI_Abort when this exception leaves your function)"));
       }
+      // Waiting long: answer a timed-out rank's roll call (signatures.hpp).
+      if (waited_for >= std::chrono::milliseconds(1)) roll_.answer(phase2_, names_, calls_);
       lk.unlock();
       if (waited_for < std::chrono::milliseconds(1)) {
         std::this_thread::yield();
@@ -239,7 +242,9 @@ class mpi_state {
   bool advance(mpi_op& op) {
     try {
       if (!op.signatures_compared) {
-        if (!signatures_arrived(op.signature_requests, op.what(), names_)) return false;
+        int flag = 0;
+        check(MPI_Test(&op.signature_request, &flag, MPI_STATUS_IGNORE), "MPI_Test", op);
+        if (!flag) return false;
         op.signatures_compared = true;
         compare_signatures(op.signatures.data(), op.call, names_);
       }
@@ -437,35 +442,28 @@ class mpi_state {
     }
   }
 
-  // Starts exchanging this rank's signature of `op` with every other rank (before op itself,
-  // in issue order: messages between two ranks never overtake each other, so the k-th
-  // signature a rank receives from q is q's k-th collective even when the collectives differ).
+  // Starts gathering every rank's signature of `op` (before op itself, in issue order on
+  // comm_, so the k-th exchange of every rank is the same MPI call even when the collectives
+  // differ).
   void start_signature_exchange(mpi_op& op) {
-    op.signatures.assign(static_cast<std::size_t>(size_) * signature_fields, 0);
-    write_signature(op.signatures.data() + static_cast<std::size_t>(rank_) * signature_fields,
-                    op.desc, false);
-    post_signatures(op.signatures.data(), op.signature_requests, op.what(), phase2_, names_);
+    const auto N = static_cast<std::size_t>(size_);
+    op.signatures.assign((N + 1) * signature_fields, 0);
+    std::int64_t* mine = op.signatures.data() + N * signature_fields;
+    write_signature(mine, op.desc, false);
+    check(MPI_Iallgather(mine, signature_fields, MPI_INT64_T, op.signatures.data(),
+                         signature_fields, MPI_INT64_T, comm_, &op.signature_request),
+          "MPI_Iallgather", op);
     op.signatures_compared = false;
   }
 
-  // The ranks whose signature of the collective being waited for has not arrived, as text for
-  // a timeout message.
-  std::string missing_ranks() const {
-    const std::vector<MPI_Request>* reqs = nullptr;
-    if (checking_) {
-      reqs = &check_requests_;
-    } else if (!queue_.empty() && !queue_.front()->signatures_compared) {
-      reqs = &queue_.front()->signature_requests;
-    }
-    if (reqs == nullptr) {
-      if (!opts_.detect_divergence && !opts_.check_matching) {
-        return "which ranks is unknown (detect_divergence is off)";
-      }
-      return "every rank issued it (one may have stopped driving MPI, waiting elsewhere)";
-    }
-    const std::vector<int> missing = missing_senders(*reqs, names_);
-    if (missing.empty()) return "every rank issued it; this rank's own messages are stuck";
-    return concat(names_.ranks(missing), " did not issue it");
+  // The ranks that did not issue the collective being waited for (the roll call), as text.
+  std::string missing_ranks() {
+    const std::uint64_t k = checking_call_ != 0 ? checking_call_
+                            : !queue_.empty()   ? queue_.front()->call
+                                                : calls_;
+    const auto grace = std::clamp<std::chrono::milliseconds>(
+        opts_.timeout / 10, std::chrono::milliseconds(50), std::chrono::seconds(1));
+    return roll_.ask(phase2_, names_, k, calls_, grace);
   }
 
   std::string me() const { return names_.me(); }
@@ -478,18 +476,27 @@ class mpi_state {
     const auto N = static_cast<std::size_t>(size_);
     // Kept in the state: if the exchange times out, MPI may still use the buffer later (close()
     // then never frees it).
-    check_buffer_.assign(N * signature_fields, 0);
-    write_signature(check_buffer_.data() + static_cast<std::size_t>(rank_) * signature_fields, d,
-                    is_split);
+    check_buffer_.assign((N + 1) * signature_fields, 0);
+    std::int64_t* mine = check_buffer_.data() + N * signature_fields;
+    write_signature(mine, d, is_split);
+    MPI_Request req = MPI_REQUEST_NULL;
     const std::string what = concat(describe(d, is_split), " (call #", call, ", matching check)");
-    post_signatures(check_buffer_.data(), check_requests_, what, phase2_, names_);
-    checking_ = true;
+    mpi_check(MPI_Iallgather(mine, signature_fields, MPI_INT64_T, check_buffer_.data(),
+                             signature_fields, MPI_INT64_T, comm_, &req),
+              "MPI_Iallgather", what, rank_, size_, world_arg());
+    checking_call_ = call;
     struct not_checking {
-      bool& flag;
-      ~not_checking() { flag = false; }
-    } guard{checking_};
+      std::uint64_t& call;
+      ~not_checking() { call = 0; }
+    } guard{checking_call_};
     poll(
-        lk, [&] { return signatures_arrived(check_requests_, what, names_); },
+        lk,
+        [&] {
+          int flag = 0;
+          mpi_check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test", what, rank_, size_,
+                    world_arg());
+          return flag != 0;
+        },
         [&] { return what; });
     compare_signatures(check_buffer_.data(), call, names_);
   }
@@ -516,6 +523,7 @@ class mpi_state {
       }
       drive();
       if (!queue_.empty()) {
+        roll_.answer(phase2_, names_, calls_);
         lk.unlock();
         std::this_thread::sleep_for(opts_.progress_interval);
         lk.lock();
@@ -535,9 +543,9 @@ class mpi_state {
   std::deque<std::shared_ptr<mpi_op>> queue_;
   std::vector<std::shared_ptr<mpi_op>> failed_;  // kept: MPI may still use their buffers
   std::vector<std::int64_t> check_buffer_;
-  std::vector<MPI_Request> check_requests_;  // the matching check's signature exchange
-  bool checking_ = false;                    // waiting for check_requests_
-  mpi_names names_;                          // how messages name this communicator's ranks
+  std::uint64_t checking_call_ = 0;  // the call whose matching check is waited for
+  mpi_roll_call roll_;               // finds the ranks a timed-out collective waits for
+  mpi_names names_;                  // how messages name this communicator's ranks
   std::uint64_t calls_ = 0;
   std::string broken_;  // why the communicator is unusable; empty while it is fine
   bool closed_ = false;

@@ -58,10 +58,9 @@ struct mpi_comm_options {
   //! short enough that a dead or stuck rank ends the job in minutes rather than hours.
   std::chrono::milliseconds timeout{std::chrono::minutes(2)};
   //! With each collective, exchange its kind, element type, count, operation and root across
-  //! the ranks (a 48-byte message to every other rank, sent just before the collective and
-  //! completed with it; issuing never waits for it) and throw collective_mismatch on every
-  //! rank when they differ, instead of waiting for the timeout. The messages also tell a
-  //! comm_timeout which ranks never issued the collective it names. The mismatched collective was
+  //! the ranks (one small MPI_Iallgather of 48 bytes per rank, issued just before the collective
+  //! and completed with it; issuing never waits for it) and throw collective_mismatch on every
+  //! rank when they differ, instead of waiting for the timeout. The mismatched collective was
   //! started, so the communicator is unusable after (as after comm_timeout). On by default:
   //! one small message per collective (benchmarks/README.md gives the cost).
   bool detect_divergence = true;
@@ -174,11 +173,10 @@ struct mpi_op {
   std::vector<part> parts;
   std::unique_ptr<std::byte[]> scratch;
   std::vector<MPI_Request> requests;
-  //! detect_divergence: every rank's signature of this collective (mpi_state::signature_fields
-  //! each, in rank order), the point-to-point requests that exchange them (a receive from each
-  //! other rank in rank order, then the sends), and whether they were compared.
+  //! detect_divergence: every rank's signature of this collective (signature_fields each),
+  //! the request that gathers them, and whether they were compared.
   std::vector<std::int64_t> signatures;
-  std::vector<MPI_Request> signature_requests;
+  MPI_Request signature_request = MPI_REQUEST_NULL;
   bool signatures_compared = true;
   int stage = 0;  // 0: first MPI calls in flight, 1: all_reduce's all-gather in flight, 2: done
   std::exception_ptr error;
