@@ -6,7 +6,12 @@
 // for full buffers of 4 KiB to 64 MiB per rank. Each timing is the slowest rank's time per call
 // (a collective is done when its last rank is), the median of several repetitions.
 //
-//   mpiexec -np 4 shardkit_bench_mpi_reduce [--reps 7] [--max-bytes 67108864]
+// Then what divergence detection costs (mpi_comm_options::detect_divergence, on by default:
+// each collective also sends its 48-byte signature to every other rank): barrier, all-reduce
+// and reduce-scatter of 4 KiB to 1 MiB with it off (the baseline) and on, and their ratio.
+// Small collectives show the cost best; it is a fixed few messages per call.
+//
+//   mpiexec -np 4 shardkit_bench_mpi_reduce [--reps 7] [--max-bytes 67108864] [--divergence-only]
 //
 // A standalone program rather than Google Benchmark: every rank must run the same number of
 // iterations in lock step, which Google Benchmark's per-process timing loop does not do.
@@ -39,6 +44,24 @@ double time_per_call(MPI_Comm comm, int reps, int iters, const std::function<voi
   return t[t.size() / 2];
 }
 
+// Baseline and variant timed alternately, `reps` times (so both see the same machine load):
+// the fastest slowest-rank time per call of each, and the median of the per-repetition ratios.
+struct paired {
+  double base, variant, ratio;
+};
+paired time_pair(MPI_Comm comm, int reps, int iters, const std::function<void()>& base,
+                 const std::function<void()>& variant) {
+  std::vector<double> b, v, r;
+  for (int rep = 0; rep < reps; ++rep) {
+    b.push_back(time_per_call(comm, 1, iters, base));
+    v.push_back(time_per_call(comm, 1, iters, variant));
+    r.push_back(v.back() / b.back());
+  }
+  std::sort(r.begin(), r.end());
+  return {*std::min_element(b.begin(), b.end()), *std::min_element(v.begin(), v.end()),
+          r[r.size() / 2]};
+}
+
 std::string human(std::size_t bytes) {
   if (bytes >= (1u << 20)) return std::to_string(bytes >> 20) + " MiB";
   return std::to_string(bytes >> 10) + " KiB";
@@ -49,6 +72,10 @@ std::string human(std::size_t bytes) {
 int main(int argc, char** argv) {
   int reps = 7;
   std::size_t max_bytes = std::size_t{64} << 20;
+  bool divergence_only = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--divergence-only") == 0) divergence_only = true;
+  }
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--reps") == 0) reps = std::max(1, std::atoi(argv[i + 1]));
     if (std::strcmp(argv[i], "--max-bytes") == 0)
@@ -57,7 +84,7 @@ int main(int argc, char** argv) {
   return shardkit::mpi_main(argc, argv, [&](shardkit::mpi_comm& comm) {
     const int N = comm.size();
     const MPI_Comm raw = comm.native();
-    if (comm.rank() == 0) {
+    if (comm.rank() == 0 && !divergence_only) {
       std::printf(
           "shardkit fixed-order reductions vs MPI's own, float sum, %d processes, median of "
           "%d repetitions, slowest rank per call\n\n",
@@ -65,7 +92,7 @@ int main(int argc, char** argv) {
       std::printf("%-9s | %12s %12s %7s | %12s %12s %7s\n", "buffer", "RS MPI us", "RS shardkit",
                   "ratio", "AR MPI us", "AR shardkit", "ratio");
     }
-    for (std::size_t bytes = 4096; bytes <= max_bytes; bytes *= 4) {
+    for (std::size_t bytes = 4096; !divergence_only && bytes <= max_bytes; bytes *= 4) {
       const std::size_t n = bytes / sizeof(float);  // full buffer per rank
       const std::size_t count = n / static_cast<std::size_t>(N);
       std::vector<float> in(n), out(n);
@@ -93,6 +120,49 @@ int main(int argc, char** argv) {
                     ar_sk / ar_mpi);
         std::fflush(stdout);
       }
+    }
+    // detect_divergence off (baseline) vs on, same calls, interleaved per size.
+    auto with = [&](bool detect) {
+      auto o = comm.options();
+      o.detect_divergence = detect;
+      o.check_matching = false;
+      return shardkit::mpi_comm::duplicate(raw, o);
+    };
+    auto off = with(false), on = with(true);
+    if (comm.rank() == 0) {
+      std::printf(
+          "\ndetect_divergence: the same collective without (baseline) and with the signature "
+          "exchange, %d processes, %d alternating repetitions: fastest slowest-rank time per "
+          "call, median ratio\n\n",
+          N, 3 * reps);
+      std::printf("%-34s %10s %10s %7s\n", "collective", "off us", "on us", "ratio");
+    }
+    auto row = [&](const std::string& what, const paired& p) {
+      if (comm.rank() != 0) return;
+      std::printf("%-34s %10.2f %10.2f %6.2fx\n", what.c_str(), p.base * 1e6, p.variant * 1e6,
+                  p.ratio);
+      std::fflush(stdout);
+    };
+    row("divergence barrier",
+        time_pair(
+            raw, 3 * reps, 500, [&] { off.barrier(); }, [&] { on.barrier(); }));
+    for (std::size_t bytes = 4096; bytes <= std::min<std::size_t>(max_bytes, 1u << 20);
+         bytes *= 16) {
+      const std::size_t n = bytes / sizeof(float);
+      const std::size_t count = n / static_cast<std::size_t>(N);
+      std::vector<float> in(n, 0.5f), out(n);
+      const int iters =
+          static_cast<int>(std::clamp<std::size_t>((std::size_t{32} << 20) / bytes, 20, 500));
+      row("divergence all_reduce " + human(bytes),
+          time_pair(
+              raw, 3 * reps, iters,
+              [&] { off.all_reduce(in.data(), out.data(), n, shardkit::reduce_op::sum); },
+              [&] { on.all_reduce(in.data(), out.data(), n, shardkit::reduce_op::sum); }));
+      row("divergence reduce_scatter " + human(bytes),
+          time_pair(
+              raw, 3 * reps, iters,
+              [&] { off.reduce_scatter(in.data(), out.data(), count, shardkit::reduce_op::sum); },
+              [&] { on.reduce_scatter(in.data(), out.data(), count, shardkit::reduce_op::sum); }));
     }
     return 0;
   });

@@ -226,14 +226,16 @@ TEST_CASE("check_matching turns mismatched collectives into collective_mismatch 
   });
   for (const auto& msgs : m) {
     REQUIRE(msgs.size() == 4);
-    REQUIRE_THAT(msgs[0], Catch::Contains("collective mismatch at call #1") &&
-                              Catch::Contains("rank 0 called all_reduce(bf16, count 8, sum)") &&
-                              Catch::Contains("rank 1 called all_reduce(bf16, count 4, sum)"));
+    REQUIRE_THAT(
+        msgs[0],
+        Catch::Contains("collective mismatch at call #1") &&
+            Catch::Contains("rank 0 (world rank 0) called all_reduce(bf16, count 8, sum)") &&
+            Catch::Contains("rank 1 (world rank 1) called all_reduce(bf16, count 4, sum)"));
     REQUIRE_THAT(msgs[1], Catch::Contains("call #2") &&
                               Catch::Contains("all_gather(bf16, count 0)") &&
-                              Catch::Contains("rank 2 called barrier"));
-    REQUIRE_THAT(msgs[2], Catch::Contains("rank 0 called split") &&
-                              Catch::Contains("rank 1 called barrier"));
+                              Catch::Contains("rank 2 (world rank 2) called barrier"));
+    REQUIRE_THAT(msgs[2], Catch::Contains("rank 0 (world rank 0) called split") &&
+                              Catch::Contains("rank 1 (world rank 1) called barrier"));
     REQUIRE(msgs[3] == std::to_string(3.0f));
   }
 }
@@ -271,12 +273,52 @@ TEST_CASE("a rank that arrives too late makes the others fail with comm_timeout,
     const auto& msgs = m[static_cast<std::size_t>(q)];
     REQUIRE(msgs.size() == 2);
     REQUIRE_THAT(msgs[0], Catch::Contains("barrier (call #1) timed out after 300 ms on rank " +
-                                          std::to_string(q) + " of 3") &&
-                              Catch::Contains("not every rank reached it"));
+                                          std::to_string(q) + " of 3 (world rank " +
+                                          std::to_string(q) + ")") &&
+                              Catch::Contains("not every rank reached it") &&
+                              Catch::Contains("rank(s) {2} of 3 (world rank(s) {2}) did not "
+                                              "answer"));
     REQUIRE_THAT(msgs[1], Catch::Contains("all_reduce(fp32, count 1, sum)") &&
                               Catch::Contains("unusable") && Catch::Contains("timed out"));
   }
   REQUIRE(m[2] == std::vector<std::string>{"late rank done"});
+}
+
+TEST_CASE("a timeout in a split communicator names the missing ranks by world rank",
+          "[mpi][errors][hybrid]") {
+  if (!test::fits<mpi_world>(4)) return;
+  const bool checked = GENERATE(false, true);  // detect_divergence, then check_matching
+  CAPTURE(checked);
+  auto m = mpi_world::run(4, [checked](mpi_comm& c) -> std::string {
+    auto opts = c.options();
+    opts.timeout = 300ms;
+    opts.check_matching = checked;
+    auto base = mpi_comm::duplicate(c.native(), opts);
+    auto pair = base.split(base.rank() % 2, base.rank());  // {0, 2} and {1, 3}
+    std::string msg;
+    if (base.rank() == 3) {
+      std::this_thread::sleep_for(1500ms);  // stalls: world rank 1 gives up waiting
+      try {
+        pair.barrier();  // completes the abandoned barrier (check_matching never started it)
+      } catch (const comm_timeout&) {
+      }
+      return "late";
+    }
+    if (base.rank() == 1) {
+      try {
+        pair.barrier();
+      } catch (const comm_timeout& e) {
+        msg = e.what();
+      }
+    }
+    return msg;
+  });
+  INFO(m[1]);
+  REQUIRE(m[0].empty());
+  REQUIRE(m[2].empty());
+  REQUIRE(m[3] == "late");
+  REQUIRE_THAT(m[1], Catch::Contains("timed out after 300 ms on rank 0 of 2 (world rank 1)") &&
+                         Catch::Contains("rank(s) {1} of 2 (world rank(s) {3}) did not answer"));
 }
 
 TEST_CASE("a borrowed MPI communicator is used as is and never freed", "[mpi]") {
@@ -360,8 +402,7 @@ TEST_CASE("by default, ranks that issue different collectives get collective_mis
     } catch (const collective_mismatch& e) {
       msgs.push_back(e.what());
     }
-    const double s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     msgs.push_back(s < 30.0 ? "prompt" : "took " + std::to_string(s) + " s");
     try {  // the mismatched collective was started: the communicator is unusable now
       float one = 1.0f;

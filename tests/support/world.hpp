@@ -174,6 +174,23 @@ bool fits(int n) {
   return false;
 }
 
+//! Runs fn(comm) on n ranks of World; returns each rank's exception message ("" for none), or
+//! nothing (with a warning) when World has fewer than n ranks: errors_per_rank over every
+//! communicator.
+template <class World, class F>
+std::vector<std::string> messages_on(int n, F fn) {
+  if (!fits<World>(n)) return {};
+  using Comm = typename World::comm_type;
+  return World::run(n, [&](Comm& c) -> std::string {
+    try {
+      fn(c);
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return {};
+  });
+}
+
 //! Runs fn(comm) on n ranks of World; returns each rank's error as "<type>: <message>" (type one
 //! of size_overflow, invalid_argument, usage_error, comm_timeout, comm_aborted,
 //! collective_mismatch, comm_error, error, std) or "" when it raised none, so a test checks

@@ -1,5 +1,6 @@
 // Bad input and wrong use of the engine: a clear exception that names the problem, on every
-// rank, never a hang.
+// rank, never a hang. Written once over a World: test_engine runs these on the thread
+// communicator, test_engine_mpi on mpi_comm under mpiexec.
 #include <shardkit/shardkit.hpp>
 
 #include "support/world.hpp"
@@ -7,13 +8,20 @@
 #include <catch2/catch.hpp>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace shardkit;
 
 namespace {
 
-using test::errors_per_rank;
+using World = SHARDKIT_TEST_WORLDS;
+using Comm = World::comm_type;
+
+template <class F>
+std::vector<std::string> errors_per_rank(int n, F fn) {
+  return test::messages_on<World>(n, std::move(fn));
+}
 
 model_spec small_model(std::vector<std::vector<float>>& storage) {
   storage = {std::vector<float>(10, 0.5f), std::vector<float>(3, -0.5f),
@@ -27,7 +35,7 @@ model_spec small_model(std::vector<std::vector<float>>& storage) {
 }
 
 template <class P>
-using host_engine = engine<thread_comm, P, bf16, adamw>;
+using host_engine = engine<Comm, P, bf16, adamw>;
 
 // A framework tensor whose device is known only at run time (tensor_traits::memory).
 struct device_tensor {
@@ -50,7 +58,7 @@ struct shardkit::tensor_traits<device_tensor> {
 
 TEMPLATE_TEST_CASE("a gradient whose size differs from its parameter is rejected by name",
                    "[engine][errors]", zero0, zero1, zero2) {
-  for (const auto& msg : errors_per_rank(3, [](thread_comm& c) {
+  for (const auto& msg : errors_per_rank(3, [](Comm& c) {
          std::vector<std::vector<float>> st;
          host_engine<TestType> e(c, small_model(st));
          std::vector<float> g(9);
@@ -63,7 +71,7 @@ TEMPLATE_TEST_CASE("a gradient whose size differs from its parameter is rejected
 
 TEMPLATE_TEST_CASE("gradients of unsupported element types, out-of-range indices",
                    "[engine][errors]", zero0, zero2) {
-  for (const auto& msg : errors_per_rank(2, [](thread_comm& c) {
+  for (const auto& msg : errors_per_rank(2, [](Comm& c) {
          std::vector<std::vector<float>> st;
          host_engine<TestType> e(c, small_model(st));
          std::vector<std::int32_t> g(3);
@@ -72,7 +80,7 @@ TEMPLATE_TEST_CASE("gradients of unsupported element types, out-of-range indices
     REQUIRE_THAT(msg, Catch::Contains("'fc.bias'") && Catch::Contains("int32") &&
                           Catch::Contains("expected fp32, bf16 or fp16"));
   }
-  for (const auto& msg : errors_per_rank(2, [](thread_comm& c) {
+  for (const auto& msg : errors_per_rank(2, [](Comm& c) {
          std::vector<std::vector<float>> st;
          host_engine<TestType> e(c, small_model(st));
          (void)e.param(3);
@@ -82,7 +90,7 @@ TEMPLATE_TEST_CASE("gradients of unsupported element types, out-of-range indices
 }
 
 TEST_CASE("ZeRO-2: a step with missing gradients names them on every rank", "[engine][errors]") {
-  for (const auto& msg : errors_per_rank(4, [](thread_comm& c) {
+  for (const auto& msg : errors_per_rank(4, [](Comm& c) {
          std::vector<std::vector<float>> st;
          host_engine<zero2> e(c, small_model(st));
          std::vector<float> g(7, 1.0f);
@@ -96,7 +104,7 @@ TEST_CASE("ZeRO-2: a step with missing gradients names them on every rank", "[en
 
 TEST_CASE("ZeRO-2: allow_missing_grads treats missing gradients as zero", "[engine]") {
   auto run = [](bool explicit_zero) {
-    return run_ranks(2, [&](thread_comm& c) {
+    return World::run(2, [&](Comm& c) {
       std::vector<std::vector<float>> st;
       engine_options o;
       o.allow_missing_grads = true;
@@ -122,7 +130,7 @@ TEST_CASE("ZeRO-2: allow_missing_grads treats missing gradients as zero", "[engi
 TEST_CASE("ZeRO-2: gradients of interleaved buckets need enough staging buffers",
           "[engine][errors]") {
   auto interleaved = [](std::size_t buffers) {
-    return errors_per_rank(2, [buffers](thread_comm& c) {
+    return errors_per_rank(2, [buffers](Comm& c) {
       std::vector<std::vector<float>> st;
       engine_options o;
       o.grad_buffers = buffers;
@@ -144,7 +152,7 @@ TEST_CASE("ZeRO-2: gradients of interleaved buckets need enough staging buffers"
 
 TEST_CASE("bad engine options and hyper-parameters", "[engine][errors]") {
   auto make = [](engine_options o, adam_options a) {
-    return errors_per_rank(1, [=](thread_comm& c) {
+    return errors_per_rank(1, [=](Comm& c) {
       std::vector<std::vector<float>> st;
       host_engine<zero2> e(c, small_model(st), a, o);
     });
@@ -158,7 +166,7 @@ TEST_CASE("bad engine options and hyper-parameters", "[engine][errors]") {
   REQUIRE_THAT(make({}, {.lr = -1.0f})[0], Catch::Contains("learning rate of parameter group 0"));
   REQUIRE_THAT(make({}, {.beta1 = 1.0f})[0], Catch::Contains("betas must lie in [0, 1)"));
   REQUIRE_THAT(make({}, {.eps = 0.0f})[0], Catch::Contains("eps must be positive"));
-  for (const auto& msg : errors_per_rank(2, [](thread_comm& c) {
+  for (const auto& msg : errors_per_rank(2, [](Comm& c) {
          std::vector<std::vector<float>> st;
          host_engine<zero1> e(c, small_model(st));
          e.step(NAN);
@@ -175,7 +183,7 @@ TEST_CASE("model_spec rejects empty units and foreign memory", "[engine][errors]
   m.begin_unit("b");
   REQUIRE_THROWS_WITH(m.begin_unit("c"), Catch::Contains("unit 'b' has no parameters"));
   // A trailing empty unit is caught when the engine is built.
-  for (const auto& msg : errors_per_rank(1, [&](thread_comm& c) { host_engine<zero2> e(c, m); })) {
+  for (const auto& msg : errors_per_rank(1, [&](Comm& c) { host_engine<zero2> e(c, m); })) {
     REQUIRE_THAT(msg, Catch::Contains("last unit declared with begin_unit() has no parameters"));
   }
   std::vector<std::int64_t> ints(3);
@@ -188,7 +196,7 @@ TEST_CASE("tensors whose device is known at run time are checked by parameter na
   REQUIRE_THROWS_WITH(model_spec{}.add("w", w),
                       Catch::Contains("parameter 'w' lives in cuda memory") &&
                           Catch::Contains("must be in host memory"));
-  for (const auto& msg : errors_per_rank(2, [](thread_comm& c) {
+  for (const auto& msg : errors_per_rank(2, [](Comm& c) {
          std::vector<std::vector<float>> st;
          host_engine<zero2> e(c, small_model(st));
          device_tensor g{std::vector<float>(10, 1.0f), true};
@@ -198,7 +206,7 @@ TEST_CASE("tensors whose device is known at run time are checked by parameter na
                           Catch::Contains("expected host memory"));
   }
   // The same type in host memory is an ordinary gradient.
-  auto ok = run_ranks(2, [](thread_comm& c) {
+  auto ok = World::run(2, [](Comm& c) {
     std::vector<std::vector<float>> st;
     host_engine<zero0> e(c, small_model(st));
     device_tensor g{std::vector<float>(10, 1.0f), false};
@@ -209,13 +217,13 @@ TEST_CASE("tensors whose device is known at run time are checked by parameter na
 }
 
 TEST_CASE("broadcast_init gives every rank rank 0's initial values", "[engine]") {
-  auto r = run_ranks(3, [](thread_comm& c) {
+  auto r = World::run(3, [](Comm& c) {
     std::vector<float> w(5, static_cast<float>(c.rank() + 1));  // ranks disagree
     model_spec m;
     m.add("w", w);
     engine_options o;
     o.broadcast_init = true;
-    engine<thread_comm, zero1, bf16, adamw> e(c, m, {}, o);
+    engine<Comm, zero1, bf16, adamw> e(c, m, {}, o);
     std::vector<float> out(5);
     e.copy_param_to(0, out);
     return out;

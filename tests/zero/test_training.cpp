@@ -1,7 +1,9 @@
 // Training features under sharding, for every stage: dynamic loss scaling with overflow
 // skipping, global gradient-norm clipping, gradient accumulation with declared micro-batches,
 // parameter groups with a learning-rate schedule, and pluggable optimizers. Each is checked
-// against the independent unsharded reference (support/reference.hpp).
+// against the independent unsharded reference (support/reference.hpp). Written once over a
+// World: test_training runs these on the thread communicator, test_training_mpi on mpi_comm
+// under mpiexec.
 #include "zero/engine_harness.hpp"
 
 #include <catch2/catch.hpp>
@@ -14,12 +16,16 @@ using namespace shardkit;
 
 namespace {
 
+using world_t = SHARDKIT_TEST_WORLDS;
+using Comm = world_t::comm_type;
+
 // Runs the configuration for stages 0-3 at N ranks, checks each against the reference, and
 // that they agree with each other bit for bit. Adam with L2 weight decay by default: unlike
 // AdamW, its update depends on the gradient's scale, so a wrong unscaling, averaging or
 // clipping factor cannot hide behind Adam's scale invariance.
 template <class World, class W, class Opt = adam>
 void all_stages(int n, const test::model_case& mc, const test::run_config& cfg) {
+  if (!test::fits<World>(n)) return;
   const auto s0 = test::train<World, zero0, W, Opt>(n, mc, cfg);
   const auto s1 = test::train<World, zero1, W, Opt>(n, mc, cfg);
   const auto s2 = test::train<World, zero2, W, Opt>(n, mc, cfg);
@@ -39,7 +45,7 @@ void all_stages(int n, const test::model_case& mc, const test::run_config& cfg) 
 }  // namespace
 
 TEMPLATE_TEST_CASE("an inf on one rank in one step makes every rank skip it, state untouched",
-                   "[training][loss-scale]", test::thread_world) {
+                   "[training][loss-scale]", SHARDKIT_TEST_WORLDS) {
   const int n = GENERATE(1, 3, 4);
   const auto mc = test::model_cases()[GENERATE(0u, 1u)];
   CAPTURE(n, mc.name);
@@ -64,7 +70,7 @@ TEST_CASE(
     "the loss scale backs off on overflow, grows after a run of good steps, and reports "
     "its minimum",
     "[training][loss-scale]") {
-  auto r = run_ranks(2, [](thread_comm& c) {
+  auto r = world_t::run(2, [](Comm& c) {
     std::vector<float> w(6, 0.5f);
     model_spec m;
     m.add("w", w);
@@ -74,7 +80,7 @@ TEST_CASE(
                                       .growth_interval = 2,
                                       .backoff_factor = 0.5f,
                                       .min_scale = 2.0f};
-    engine<thread_comm, zero2, bf16, adamw> e(c, m, {}, o);
+    engine<Comm, zero2, bf16, adamw> e(c, m, {}, o);
     std::vector<std::string> log;
     // overflow, overflow, overflow (at the minimum), good, good (growth), good
     for (bool overflow : {true, true, true, false, false, false}) {
@@ -97,7 +103,7 @@ TEST_CASE(
 TEMPLATE_TEST_CASE(
     "global gradient-norm clipping equals the reference, bit-identical across "
     "stages",
-    "[training][clipping]", test::thread_world) {
+    "[training][clipping]", SHARDKIT_TEST_WORLDS) {
   const int n = GENERATE(1, 2, 3, 4, 8);
   const auto mc = test::model_cases()[GENERATE(0u, 1u, 2u, 3u)];
   CAPTURE(n, mc.name);
@@ -119,7 +125,7 @@ TEMPLATE_TEST_CASE(
 }
 
 TEMPLATE_TEST_CASE("k declared micro-batches equal one batch k times the size",
-                   "[training][accumulation]", test::thread_world) {
+                   "[training][accumulation]", SHARDKIT_TEST_WORLDS) {
   const int n = GENERATE(1, 3, 4);
   const auto mc = test::model_cases()[GENERATE(0u, 1u, 3u)];
   CAPTURE(n, mc.name);
@@ -135,11 +141,11 @@ TEST_CASE("4 micro-batches give the step of one batch with the mean gradient",
   // Direct check, independent of the harness: micro-batch gradients g_m versus one batch whose
   // gradient is their mean (exact in fp32 for these dyadic values).
   auto run = [](bool micro) {
-    return run_ranks(3, [micro](thread_comm& c) {
+    return world_t::run(3, [micro](Comm& c) {
       std::vector<float> w(11, 0.25f);
       model_spec m;
       m.add("w", w);
-      engine<thread_comm, zero2, float, sgd_momentum> e(c, m, {.lr = 0.1f});  // scale-sensitive
+      engine<Comm, zero2, float, sgd_momentum> e(c, m, {.lr = 0.1f});  // scale-sensitive
       std::vector<float> mean(11, 0.0f);
       for (int mb = 0; mb < 4; ++mb) {
         std::vector<float> g(11);
@@ -165,11 +171,11 @@ TEST_CASE("4 micro-batches give the step of one batch with the mean gradient",
 
 TEST_CASE("micro-batch boundaries are checked", "[training][accumulation][errors]") {
   auto errors = [](auto fn) {
-    return run_ranks(2, [&](thread_comm& c) -> std::string {
+    return world_t::run(2, [&](Comm& c) -> std::string {
       std::vector<float> w(4);
       model_spec m;
       m.add("w", w);
-      engine<thread_comm, zero1, bf16, adamw> e(c, m);
+      engine<Comm, zero1, bf16, adamw> e(c, m);
       try {
         fn(e);
       } catch (const usage_error& x) {
@@ -193,7 +199,7 @@ TEST_CASE("micro-batch boundaries are checked", "[training][accumulation][errors
 }
 
 TEMPLATE_TEST_CASE("parameter groups get their own lr and weight decay and a schedule scales them",
-                   "[training][groups]", test::thread_world) {
+                   "[training][groups]", SHARDKIT_TEST_WORLDS) {
   const int n = GENERATE(1, 3, 4);
   const auto mc = test::model_cases()[GENERATE(0u, 1u, 3u)];
   CAPTURE(n, mc.name);
@@ -207,13 +213,13 @@ TEMPLATE_TEST_CASE("parameter groups get their own lr and weight decay and a sch
 }
 
 TEST_CASE("a parameter in a group without options is rejected", "[training][groups][errors]") {
-  REQUIRE_THROWS_WITH(run_ranks(1,
-                                [](thread_comm& c) {
-                                  std::vector<float> w(4);
-                                  model_spec m;
-                                  m.add("w", w, 1);
-                                  engine<thread_comm, zero1, bf16, adamw> e(c, m);
-                                }),
+  REQUIRE_THROWS_WITH(world_t::run(1,
+                                   [](Comm& c) {
+                                     std::vector<float> w(4);
+                                     model_spec m;
+                                     m.add("w", w, 1);
+                                     engine<Comm, zero1, bf16, adamw> e(c, m);
+                                   }),
                       Catch::Contains("'w' is in parameter group 1 but only 1 set(s)"));
 }
 
@@ -247,13 +253,13 @@ static_assert(optimizer_policy<adagrad>);
 // parameters and the bytes of optimizer state per rank.
 template <class O, class P>
 std::pair<std::vector<float>, std::size_t> train_with(typename O::options opt) {
-  auto r = run_ranks(3, [&](thread_comm& c) {
+  auto r = world_t::run(3, [&](Comm& c) {
     std::vector<float> w(13);
     for (std::size_t k = 0; k < 13; ++k) w[k] = ref::init_value(0, k);
     model_spec m;
     m.begin_unit("all");
     m.add("w", w);
-    engine<thread_comm, P, float, O> e(c, m, opt);
+    engine<Comm, P, float, O> e(c, m, opt);
     for (int t = 1; t <= 3; ++t) {
       e.pre_forward(0);
       e.post_forward(0);
@@ -303,6 +309,6 @@ TEST_CASE("optimizers are policies: SGD with momentum and a user's Adagrad",
   check(train_with<adagrad, zero0>({}), ada, 13 * 4);
   check(train_with<adagrad, zero3>({}), ada, S * 4);
   // The formulas follow the optimizer's state size: 4 bytes per element instead of Adam's 8.
-  STATIC_REQUIRE(engine<thread_comm, zero1, bf16, sgd_momentum>::precision().state_bytes == 4);
-  STATIC_REQUIRE(engine<thread_comm, zero1, bf16, adamw>::precision().state_bytes == 8);
+  STATIC_REQUIRE(engine<Comm, zero1, bf16, sgd_momentum>::precision().state_bytes == 4);
+  STATIC_REQUIRE(engine<Comm, zero1, bf16, adamw>::precision().state_bytes == 8);
 }

@@ -80,12 +80,14 @@
 //!
 //! One endpoint is used by one thread at a time (besides its own progress thread).
 //!
-//! Files: mpi/support.hpp (options, datatypes, errors), mpi/state.hpp (the transport: queue,
-//! progress, reductions, timeouts, matching check), mpi/communicator.hpp (mpi_comm and
+//! Files: mpi/support.hpp (options, datatypes, errors), mpi/signatures.hpp (how errors name
+//! ranks, the divergence signatures), mpi/state.hpp (the transport: queue, progress,
+//! reductions, timeouts, matching check), mpi/communicator.hpp (mpi_comm and
 //! mpi_work, behind comm/detail/frontend.hpp), mpi/main.hpp (mpi_main, mpi_session).
 #pragma once
 
 #include <shardkit/comm/mpi/communicator.hpp>
 #include <shardkit/comm/mpi/main.hpp>
+#include <shardkit/comm/mpi/signatures.hpp>
 #include <shardkit/comm/mpi/state.hpp>
 #include <shardkit/comm/mpi/support.hpp>

@@ -43,11 +43,16 @@ inline collective_desc make_desc(collective k, dtype t, std::size_t n,
   return d;
 }
 
-//! "collective mismatch at call #c: rank 0 called X but rank q called Y (...)".
+//! "collective mismatch at call #c: rank 0 called X but rank q called Y (...)". `first` and
+//! `other` name ranks 0 and q when the communicator is not the world (e.g. "world rank 3 (rank
+//! 1 of the sub-group of world ranks {1, 3})").
 inline std::string mismatch_message(std::uint64_t call, const collective_desc& d0, bool split0,
-                                    int q, const collective_desc& dq, bool split_q) {
-  return concat("collective mismatch at call #", call, ": rank 0 called ", describe(d0, split0),
-                " but rank ", q, " called ", describe(dq, split_q),
+                                    int q, const collective_desc& dq, bool split_q,
+                                    const std::string& first = {}, const std::string& other = {}) {
+  return concat("collective mismatch at call #", call, ": ",
+                first.empty() ? std::string("rank 0") : first, " called ", describe(d0, split0),
+                " but ", other.empty() ? concat("rank ", q) : other, " called ",
+                describe(dq, split_q),
                 " (every rank must issue the same collectives in the same order)");
 }
 

@@ -5,10 +5,15 @@
 //! drives progress (on call or from a progress thread), turns a collective that waits longer
 //! than the timeout into comm_timeout (the communicator is unusable after, since MPI cannot
 //! withdraw an operation), and runs the optional matching check before each collective.
+//!
+//! Ranks are named by their rank in this communicator and, when it is not MPI_COMM_WORLD, their
+//! world rank; a timeout names the ranks that did not issue the collective, found by a roll
+//! call (comm/mpi/signatures.hpp).
 #pragma once
 
 #include <shardkit/comm/communicator.hpp>
 #include <shardkit/comm/detail/frontend.hpp>
+#include <shardkit/comm/mpi/signatures.hpp>
 #include <shardkit/comm/mpi/support.hpp>
 #include <shardkit/comm/volume.hpp>
 #include <shardkit/config.hpp>
@@ -45,6 +50,7 @@ class mpi_state {
       : comm_(comm), phase2_(phase2), owns_comm_(owns_comm), opts_(opts) {
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
+    names_ = mpi_names(comm_);
   }
   mpi_state(const mpi_state&) = delete;
   mpi_state& operator=(const mpi_state&) = delete;
@@ -74,7 +80,7 @@ class mpi_state {
       if (opts_.detect_divergence && !opts_.check_matching) start_signature_exchange(*op);
       start(*op);
     } catch (...) {
-      broken_ = concat(op->what(), " could not be started on rank ", rank_);
+      broken_ = concat(op->what(), " could not be started on ", me());
       throw;
     }
     return op;
@@ -111,11 +117,12 @@ class mpi_state {
     if (opts_.check_matching || opts_.detect_divergence) check_matching(lk, d, true, call);
     const std::string what = concat("split(color ", color, ", key ", key, ") (call #", call, ")");
     MPI_Comm a = MPI_COMM_NULL, b = MPI_COMM_NULL;
-    mpi_check(MPI_Comm_split(comm_, color, key, &a), "MPI_Comm_split", what, rank_, size_);
+    mpi_check(MPI_Comm_split(comm_, color, key, &a), "MPI_Comm_split", what, rank_, size_,
+              world_arg());
     MPI_Comm_set_errhandler(a, MPI_ERRORS_RETURN);
     const int rc = MPI_Comm_dup(a, &b);
     if (rc != MPI_SUCCESS) MPI_Comm_free(&a);
-    mpi_check(rc, "MPI_Comm_dup", what, rank_, size_);
+    mpi_check(rc, "MPI_Comm_dup", what, rank_, size_, world_arg());
     return std::make_shared<mpi_state>(a, b, true, opts_);
   }
 
@@ -166,10 +173,12 @@ class mpi_state {
       new std::deque<std::shared_ptr<mpi_op>>(std::move(queue_));
       new std::vector<std::shared_ptr<mpi_op>>(std::move(failed_));
       new std::vector<std::int64_t>(std::move(check_buffer_));
+      new mpi_roll_call(std::move(roll_));
       queue_.clear();
       return;
     }
     if (!mpi_finalized()) {
+      if (!roll_.settled()) new mpi_roll_call(std::move(roll_));  // MPI still reads its buffers
       if (phase2_ != MPI_COMM_NULL) MPI_Comm_free(&phase2_);
       if (owns_comm_ && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
     }
@@ -188,8 +197,7 @@ class mpi_state {
       if (broken_.empty()) drive();
       if (done()) return;
       if (!broken_.empty()) {
-        throw comm_aborted(concat("mpi_comm: rank ", rank_, " of ", size_,
-                                  ": the communicator is unusable: ", broken_));
+        throw comm_aborted(concat("mpi_comm: ", me(), ": the communicator is unusable: ", broken_));
       }
       const auto waited_for = std::chrono::steady_clock::now() - t0;
       if (opts_.timeout.count() > 0 && waited_for > opts_.timeout) {
@@ -197,14 +205,18 @@ class mpi_state {
         if (!queue_.empty() && queue_.front()->what() != what) {
           what = concat(queue_.front()->what(), " (waiting for ", what, ")");
         }
-        broken_ = concat(what, " timed out after ", opts_.timeout.count(), " ms on rank ", rank_);
+        const std::string missing = missing_ranks();
+        broken_ = concat(what, " timed out after ", opts_.timeout.count(), " ms on ", me());
         throw comm_timeout(concat(
-            "mpi_comm: ", what, " timed out after ", opts_.timeout.count(), " ms on rank ", rank_,
-            " of ", size_,
+            "mpi_comm: ", what, " timed out after ", opts_.timeout.count(), " ms on ", me(),
             ": not every rank reached it (a rank died, hangs, or issued fewer or different "
-            "collectives); MPI cannot withdraw it, so this communicator is unusable now: end the "
+            "collectives): ",
+            missing,
+            "; MPI cannot withdraw it, so this communicator is unusable now: end the "
             "job (shardkit::mpi_main calls MPI_Abort when this exception leaves your function)"));
       }
+      // Waiting long: answer a timed-out rank's roll call (signatures.hpp).
+      if (waited_for >= std::chrono::milliseconds(1)) roll_.answer(phase2_, names_, calls_);
       lk.unlock();
       if (waited_for < std::chrono::milliseconds(1)) {
         std::this_thread::yield();
@@ -234,7 +246,7 @@ class mpi_state {
         check(MPI_Test(&op.signature_request, &flag, MPI_STATUS_IGNORE), "MPI_Test", op);
         if (!flag) return false;
         op.signatures_compared = true;
-        compare_signatures(op.signatures.data(), op.call);
+        compare_signatures(op.signatures.data(), op.call, names_);
       }
       while (!op.done()) {
         if (!requests_done(op)) return false;
@@ -248,7 +260,7 @@ class mpi_state {
     } catch (...) {
       op.error = std::current_exception();
       op.stage = 2;
-      broken_ = concat(op.what(), " failed on rank ", rank_);
+      broken_ = concat(op.what(), " failed on ", me());
     }
     return true;
   }
@@ -430,18 +442,6 @@ class mpi_state {
     }
   }
 
-  static constexpr int signature_fields = 6;
-
-  // This rank's signature of `d` at `mine` (signature_fields values).
-  static void write_signature(std::int64_t* mine, const collective_desc& d, bool is_split) {
-    mine[0] = static_cast<std::int64_t>(d.kind);
-    mine[1] = static_cast<std::int64_t>(d.type);
-    mine[2] = static_cast<std::int64_t>(d.count);
-    mine[3] = static_cast<std::int64_t>(d.op);
-    mine[4] = static_cast<std::int64_t>(d.root);
-    mine[5] = is_split ? 1 : 0;
-  }
-
   // Starts gathering every rank's signature of `op` (before op itself, in issue order on
   // comm_, so the k-th exchange of every rank is the same MPI call even when the collectives
   // differ).
@@ -456,33 +456,18 @@ class mpi_state {
     op.signatures_compared = false;
   }
 
-  // Throws collective_mismatch (on every rank: each compares the same gathered values) unless
-  // the N signatures at `all` agree.
-  void compare_signatures(const std::int64_t* all, std::uint64_t call) const {
-    const auto N = static_cast<std::size_t>(size_);
-    auto desc_of = [&](std::size_t q, bool& split) {
-      const std::int64_t* f = all + q * signature_fields;
-      collective_desc x;
-      x.kind = static_cast<collective>(f[0]);
-      x.type = static_cast<dtype>(f[1]);
-      x.count = static_cast<std::size_t>(f[2]);
-      x.op = static_cast<reduce_op>(f[3]);
-      x.root = static_cast<int>(f[4]);
-      split = f[5] != 0;
-      return x;
-    };
-    bool split0 = false;
-    const collective_desc d0 = desc_of(0, split0);
-    for (std::size_t q = 1; q < N; ++q) {
-      bool split_q = false;
-      const collective_desc dq = desc_of(q, split_q);
-      if (split_q != split0 || (!split0 && !dq.matches(d0))) {
-        throw collective_mismatch(
-            concat(mismatch_message(call, d0, split0, static_cast<int>(q), dq, split_q),
-                   "; seen on rank ", rank_));
-      }
-    }
+  // The ranks that did not issue the collective being waited for (the roll call), as text.
+  std::string missing_ranks() {
+    const std::uint64_t k = checking_call_ != 0 ? checking_call_
+                            : !queue_.empty()   ? queue_.front()->call
+                                                : calls_;
+    const auto grace = std::clamp<std::chrono::milliseconds>(
+        opts_.timeout / 10, std::chrono::milliseconds(50), std::chrono::seconds(1));
+    return roll_.ask(phase2_, names_, k, calls_, grace);
   }
+
+  std::string me() const { return names_.me(); }
+  int world_arg() const noexcept { return names_.world_arg(); }
 
   // Compares what every rank is about to call before it starts (blocking; check_matching, and
   // split() with either check).
@@ -498,29 +483,35 @@ class mpi_state {
     const std::string what = concat(describe(d, is_split), " (call #", call, ", matching check)");
     mpi_check(MPI_Iallgather(mine, signature_fields, MPI_INT64_T, check_buffer_.data(),
                              signature_fields, MPI_INT64_T, comm_, &req),
-              "MPI_Iallgather", what, rank_, size_);
+              "MPI_Iallgather", what, rank_, size_, world_arg());
+    checking_call_ = call;
+    struct not_checking {
+      std::uint64_t& call;
+      ~not_checking() { call = 0; }
+    } guard{checking_call_};
     poll(
         lk,
         [&] {
           int flag = 0;
-          mpi_check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test", what, rank_, size_);
+          mpi_check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test", what, rank_, size_,
+                    world_arg());
           return flag != 0;
         },
         [&] { return what; });
-    compare_signatures(check_buffer_.data(), call);
+    compare_signatures(check_buffer_.data(), call, names_);
   }
 
   template <class What>
   void throw_if_broken(What what) const {
     if (!broken_.empty()) {
-      throw comm_aborted(concat("mpi_comm: ", what(), " on rank ", rank_, " of ", size_,
-                                ": the communicator is unusable: ", broken_));
+      throw comm_aborted(
+          concat("mpi_comm: ", what(), " on ", me(), ": the communicator is unusable: ", broken_));
     }
   }
 
   // Throws comm_error naming `op` when an MPI call failed (the message is built only then).
   void check(int rc, const char* mpi_function, const mpi_op& op) const {
-    if (rc != MPI_SUCCESS) mpi_check(rc, mpi_function, op.what(), rank_, size_);
+    if (rc != MPI_SUCCESS) mpi_check(rc, mpi_function, op.what(), rank_, size_, world_arg());
   }
 
   void progress_loop() {
@@ -532,6 +523,7 @@ class mpi_state {
       }
       drive();
       if (!queue_.empty()) {
+        roll_.answer(phase2_, names_, calls_);
         lk.unlock();
         std::this_thread::sleep_for(opts_.progress_interval);
         lk.lock();
@@ -551,6 +543,9 @@ class mpi_state {
   std::deque<std::shared_ptr<mpi_op>> queue_;
   std::vector<std::shared_ptr<mpi_op>> failed_;  // kept: MPI may still use their buffers
   std::vector<std::int64_t> check_buffer_;
+  std::uint64_t checking_call_ = 0;  // the call whose matching check is waited for
+  mpi_roll_call roll_;               // finds the ranks a timed-out collective waits for
+  mpi_names names_;                  // how messages name this communicator's ranks
   std::uint64_t calls_ = 0;
   std::string broken_;  // why the communicator is unusable; empty while it is fine
   bool closed_ = false;

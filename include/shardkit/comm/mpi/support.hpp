@@ -115,10 +115,12 @@ inline std::string mpi_error_text(int code) {
 }
 
 //! Throws comm_error when an MPI call did not return MPI_SUCCESS.
-inline void mpi_check(int rc, const char* mpi_function, const std::string& what, int rank,
-                      int size) {
+//! `world` (when not negative) is the rank's rank in MPI_COMM_WORLD, named after its own.
+inline void mpi_check(int rc, const char* mpi_function, const std::string& what, int rank, int size,
+                      int world = -1) {
   if (rc == MPI_SUCCESS) return;
-  throw comm_error(concat("mpi_comm: ", what, " failed on rank ", rank, " of ", size, ": ",
+  throw comm_error(concat("mpi_comm: ", what, " failed on rank ", rank, " of ", size,
+                          world >= 0 ? concat(" (world rank ", world, ")") : std::string(), ": ",
                           mpi_function, " returned ", mpi_error_text(rc)));
 }
 
@@ -171,8 +173,8 @@ struct mpi_op {
   std::vector<part> parts;
   std::unique_ptr<std::byte[]> scratch;
   std::vector<MPI_Request> requests;
-  //! check_matching: every rank's signature of this collective (mpi_state::signature_fields
-  //! each), the request that gathers them, and whether they were compared.
+  //! detect_divergence: every rank's signature of this collective (signature_fields each),
+  //! the request that gathers them, and whether they were compared.
   std::vector<std::int64_t> signatures;
   MPI_Request signature_request = MPI_REQUEST_NULL;
   bool signatures_compared = true;

@@ -156,7 +156,7 @@ class thread_communicator : public detail::comm_frontend<thread_communicator<Spa
 
   //! Aborts the whole group: every rank's pending and later collectives fail with comm_aborted.
   void abort(const std::string& reason) {
-    impl_->state->abort(detail::concat("rank ", impl_->rank, " aborted: ", reason));
+    impl_->state->abort(detail::concat(impl_->state->who(impl_->rank), " aborted: ", reason));
   }
 
   const thread_comm_options& options() const noexcept { return impl_->state->options(); }

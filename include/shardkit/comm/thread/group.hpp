@@ -10,6 +10,11 @@
 //! to arrive checks the posted calls, bumps the generation and wakes sleepers, if any. A
 //! collective on idle ranks therefore costs a few cache-line transfers, not a mutex handoff per
 //! rank.
+//!
+//! Ranks are named by their world rank (their rank in the group run_ranks made) in every
+//! message, and a sub-group by its members' world ranks, so an error under hybrid sharding says
+//! which thread it means. A rank whose function returns leaves the group (leave()): every group
+//! it belongs to is aborted at once, since none of their collectives can complete without it.
 #pragma once
 
 #include <shardkit/comm/communicator.hpp>
@@ -41,6 +46,11 @@ struct thread_comm_options {
   //! Compare kind, element type, count, operation and root across ranks at every collective and
   //! raise collective_mismatch when they differ (cheap: done once per collective, under a lock).
   bool check_matching = true;
+  //! run_ranks only: once a rank has failed, how long the others have to return before
+  //! run_ranks reports those still running as stuck (rank_failure::detached), detaches their
+  //! threads and throws group_error. A rank in a collective of the failed group fails at once;
+  //! this bounds a rank that never calls one again (an endless loop, a deadlock of its own).
+  std::chrono::milliseconds return_timeout{std::chrono::seconds(30)};
 };
 
 //! One rank's failure inside thread_group::run.
@@ -48,6 +58,9 @@ struct rank_failure {
   int rank;
   std::string message;
   std::exception_ptr exception;
+  //! The rank did not return within thread_comm_options::return_timeout after the group failed:
+  //! its thread was detached and may still be running (see run_ranks).
+  bool detached = false;
 };
 
 //! Thrown by thread_group::run when one or more ranks threw. The first failure is usually the
@@ -80,16 +93,37 @@ struct thread_slot {
 //! and timeout handling, and sub-groups made by split().
 class thread_group_state {
  public:
-  thread_group_state(int n, thread_comm_options opts)
+  //! A group of n ranks; `world` holds the world rank of each (empty: ranks 0..n-1, a group
+  //! of its own, as run_ranks makes).
+  thread_group_state(int n, thread_comm_options opts, std::vector<int> world = {})
       : n_(n),
         opts_(opts),
+        world_(std::move(world)),
         slots_(static_cast<std::size_t>(n)),
         arrived_at_(std::make_unique<std::atomic<std::uint64_t>[]>(static_cast<std::size_t>(n))),
         split_results_(static_cast<std::size_t>(n)) {
     for (int q = 0; q < n; ++q) arrived_at_[static_cast<std::size_t>(q)].store(0);
+    if (world_.empty()) {
+      for (int q = 0; q < n; ++q) world_.push_back(q);
+    } else {
+      is_sub_ = true;
+    }
   }
 
   int size() const noexcept { return n_; }
+  //! The world rank of member r.
+  int world_rank(int r) const noexcept { return world_[static_cast<std::size_t>(r)]; }
+  //! "rank 2" in a world group; "world rank 3 (rank 1 of the sub-group of world ranks {1, 3})"
+  //! in a sub-group.
+  std::string who(int r) const {
+    if (!is_sub_) return concat("rank ", r);
+    return concat("world rank ", world_rank(r), " (rank ", r, " of ", group_name(), ")");
+  }
+  //! "the group of 4 ranks" or "the sub-group of world ranks {1, 3}".
+  std::string group_name() const {
+    if (!is_sub_) return concat("the group of ", n_, " ranks");
+    return concat("the sub-group of world ranks {", list(world_), "}");
+  }
   const thread_comm_options& options() const noexcept { return opts_; }
   const thread_slot& slot(int r) const noexcept { return slots_[static_cast<std::size_t>(r)]; }
 
@@ -100,7 +134,7 @@ class thread_group_state {
                      const collective_desc& what, bool what_split) {
     if (aborted_flag_.load(std::memory_order_acquire)) {
       std::lock_guard lk(mu_);
-      throw_if_aborted_locked();
+      throw_if_aborted_locked(rank, phase, call, what, what_split);
     }
     // The slot is published by the arrival below (release), read by the last rank (acquire).
     if (post != nullptr) slots_[static_cast<std::size_t>(rank)] = *post;
@@ -142,19 +176,23 @@ class thread_group_state {
     } guard{sleepers_};
     const auto deadline = std::chrono::steady_clock::now() + opts_.timeout;
     while (generation_.load(std::memory_order_seq_cst) == gen) {
-      throw_if_aborted_locked();
+      throw_if_aborted_locked(rank, phase, call, what, what_split);
       if (cv_.wait_until(lk, deadline) == std::cv_status::timeout &&
           generation_.load(std::memory_order_seq_cst) == gen && !aborted_) {
-        std::string missing;
+        std::vector<int> missing;
         for (int q = 0; q < n_; ++q) {
           if (arrived_at_[static_cast<std::size_t>(q)].load(std::memory_order_relaxed) != gen + 1) {
-            missing += (missing.empty() ? "" : ", ") + std::to_string(q);
+            missing.push_back(world_rank(q));
           }
         }
+        const std::string whom =
+            is_sub_ ? concat("world rank(s) {", list(missing), "} of ", group_name())
+                    : concat("rank(s) {", list(missing), "} of ", n_);
         abort_locked(
             concat(describe(what, what_split), " (call #", call, ", ", phase, ") timed out after ",
-                   opts_.timeout.count(), " ms on rank ", rank, ": rank(s) {", missing, "} of ", n_,
-                   " did not arrive (a rank died, hangs, or issued fewer collectives)"),
+                   opts_.timeout.count(), " ms on ", who(rank), ": ", whom,
+                   " did not arrive (a rank hangs outside the collectives, or issued "
+                   "fewer collectives)"),
             true);
       }
     }
@@ -179,6 +217,27 @@ class thread_group_state {
       }
     }
     for (auto& k : kids) k->abort(reason, is_timeout);
+  }
+
+  //! World rank `world_rank` returned from its rank function: every group it belongs to (this
+  //! one or a sub-group) is aborted, so whoever waits in, or later calls, one of their
+  //! collectives fails at once with comm_aborted naming it. Groups without it are untouched.
+  void leave(int world_rank) {
+    std::vector<std::shared_ptr<thread_group_state>> kids;
+    {
+      std::lock_guard lk(mu_);
+      if (std::find(world_.begin(), world_.end(), world_rank) != world_.end()) {
+        abort_locked(concat(is_sub_ ? "world rank " : "rank ", world_rank,
+                            " returned from its rank function and left ", group_name(),
+                            ": no collective of it can complete any more (every rank must issue "
+                            "the same collectives)"),
+                     false);
+      }
+      for (auto& w : children_) {
+        if (auto k = w.lock()) kids.push_back(std::move(k));
+      }
+    }
+    for (auto& k : kids) k->leave(world_rank);
   }
 
   bool aborted() const {
@@ -208,10 +267,19 @@ class thread_group_state {
     cv_.notify_all();
   }
 
-  void throw_if_aborted_locked() const {
+  void throw_if_aborted_locked(int rank, const char* phase, std::uint64_t call,
+                               const collective_desc& what, bool what_split) const {
     if (!aborted_) return;
     if (abort_timeout_) throw comm_timeout(abort_reason_);
-    throw comm_aborted("thread communicator aborted: " + abort_reason_);
+    throw comm_aborted(concat("thread communicator aborted: ", abort_reason_, " [seen by ",
+                              who(rank), " in ", describe(what, what_split), " (call #", call, ", ",
+                              phase, ")]"));
+  }
+
+  static std::string list(const std::vector<int>& v) {
+    std::string s;
+    for (int x : v) s += (s.empty() ? "" : ", ") + std::to_string(x);
+    return s;
   }
 
   std::string check_locked(std::uint64_t call) const {
@@ -219,7 +287,8 @@ class thread_group_state {
     for (int q = 1; q < n_; ++q) {
       const thread_slot& sq = slots_[static_cast<std::size_t>(q)];
       if (sq.is_split != s0.is_split || (!s0.is_split && !sq.desc.matches(s0.desc))) {
-        return mismatch_message(call, s0.desc, s0.is_split, q, sq.desc, sq.is_split);
+        return mismatch_message(call, s0.desc, s0.is_split, q, sq.desc, sq.is_split, who(0),
+                                who(q));
       }
     }
     return {};
@@ -233,7 +302,10 @@ class thread_group_state {
     }
     for (auto& [color, members] : by_color) {
       std::sort(members.begin(), members.end());
-      auto child = std::make_shared<thread_group_state>(static_cast<int>(members.size()), opts_);
+      std::vector<int> world;
+      for (const auto& m : members) world.push_back(world_rank(m.second));
+      auto child =
+          std::make_shared<thread_group_state>(static_cast<int>(members.size()), opts_, world);
       children_.push_back(child);
       for (std::size_t i = 0; i < members.size(); ++i) {
         split_results_[static_cast<std::size_t>(members[i].second)] = {child, static_cast<int>(i)};
@@ -243,7 +315,9 @@ class thread_group_state {
 
   const int n_;
   const thread_comm_options opts_;
-  mutable std::mutex mu_;  // sleepers, abort, splits
+  std::vector<int> world_;  // world rank of each member
+  bool is_sub_ = false;     // made by split()
+  mutable std::mutex mu_;   // sleepers, abort, splits
   std::condition_variable cv_;
   alignas(64) std::atomic<int> arrived_{0};
   alignas(64) std::atomic<std::uint64_t> generation_{0};
