@@ -3,6 +3,7 @@
 #include <shardkit/shardkit.hpp>
 
 #include "support/world.hpp"
+#include "unit_stack.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -18,21 +19,7 @@ namespace {
 
 using z3_engine = engine<thread_comm, zero3, bf16, adamw>;
 
-// A stack of `units` units with one weight of `elems` elements each (plus a bias for variety).
-struct stack {
-  std::vector<std::vector<float>> values;
-  model_spec model;
-  stack(std::size_t units, std::size_t elems) {
-    values.reserve(2 * units);
-    for (std::size_t u = 0; u < units; ++u) {
-      values.emplace_back(elems, 0.01f * static_cast<float>(u + 1));
-      values.emplace_back(3, 0.0f);
-      model.begin_unit("block" + std::to_string(u));
-      model.add("block" + std::to_string(u) + ".w", values[values.size() - 2]);
-      model.add("block" + std::to_string(u) + ".b", values.back());
-    }
-  }
-};
+using stack = test::unit_stack;
 
 // Forward and backward over every unit in order, handing over constant gradients.
 template <class E>
