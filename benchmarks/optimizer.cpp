@@ -21,10 +21,11 @@
 // inverse ratios of times. Each size runs on 1 and 2 threads: a persistent host::thread_team
 // runs every variant (shardkit's through host::parallel_fused_step, the baselines one piece per
 // thread); the time includes the start and join of the team.
+#include <shardkit/kernels/host/dispatch.hpp>
 #include <shardkit/kernels/host/isa.hpp>
 #include <shardkit/kernels/host/optimizer.hpp>
 #include <shardkit/kernels/host/parallel.hpp>
-#include <shardkit/kernels/host/simd.hpp>
+#include <shardkit/kernels/host/simd_storage.hpp>
 #include <shardkit/kernels/math.hpp>
 
 #include "common.hpp"

@@ -8,8 +8,9 @@
 
 #include <shardkit/config.hpp>
 #include <shardkit/core/dtype.hpp>
+#include <shardkit/kernels/host/dispatch.hpp>
 #include <shardkit/kernels/host/parallel.hpp>
-#include <shardkit/kernels/host/simd.hpp>
+#include <shardkit/kernels/host/simd_storage.hpp>
 #include <shardkit/kernels/math.hpp>
 
 #include <cstddef>

@@ -1,0 +1,281 @@
+//! \file kernels/host/simd_storage.hpp
+//! Exact loads and stores of bf16/fp16/fp32 storage for the host vectors of
+//! kernels/host/simd.hpp: the 16-bit patterns, their rounding and widening (in integer
+//! arithmetic, or with the conversion instructions and a fix-up of the lanes where those differ
+//! from core/dtype.hpp), and whole and partial vector loads and stores.
+#pragma once
+
+#include <shardkit/config.hpp>
+#include <shardkit/core/dtype.hpp>
+#include <shardkit/kernels/host/simd.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+SHARDKIT_NAMESPACE_BEGIN
+namespace simd {
+
+//! W 16-bit patterns (bf16 or fp16 storage), in a struct: passed by value like the others.
+template <int W>
+struct vh {
+  typename impl::storage<W>::h v;
+};
+
+namespace impl {
+template <int W>
+SHARDKIT_DETAIL_SIMD_FN vh<W> load_h(const void* p) {
+  vh<W> h;
+  std::memcpy(&h.v, p, sizeof h.v);
+  return h;
+}
+template <int W>
+SHARDKIT_DETAIL_SIMD_FN void store_h(void* p, vh<W> h) {
+  std::memcpy(p, &h.v, sizeof h.v);
+}
+template <int W>
+SHARDKIT_DETAIL_SIMD_FN vu<W> widen(vh<W> h) {
+  if constexpr (W == 1) {
+    return {static_cast<std::uint32_t>(h.v)};
+  } else {
+    return {__builtin_convertvector(h.v, typename vu<W>::U)};
+  }
+}
+//! The low 16 bits of each lane (every lane must be < 65536).
+template <int W>
+SHARDKIT_DETAIL_SIMD_FN vh<W> narrow(vu<W> u) {
+  if constexpr (W == 1) {
+    return {static_cast<std::uint16_t>(u.v)};
+  } else {
+    return {__builtin_convertvector(u.v, typename storage<W>::h)};
+  }
+}
+
+//! float -> bf16 bits (low 16 bits of each lane), as float_to_bf16_bits, with integer ops.
+template <int W>
+SHARDKIT_DETAIL_SIMD_FN vu<W> bf16_round_int(vu<W> u) {
+  const vu<W> rounded = (u + ((u >> 16) & 1u) + 0x7fffu) >> 16;
+  const vu<W> hi = u >> 16;
+  const vu<W> quiet = hi | (((hi & 0x7fu) == 0u) & 0x40u);
+  return select((u & 0x7fffffffu) > 0x7f800000u, quiet, rounded);
+}
+
+//! float -> fp16 bits, as float_to_fp16_bits (integer ops; the FPU for subnormal results).
+template <int W>
+SHARDKIT_DETAIL_SIMD_FN vu<W> fp16_round_int(vf<W> f) {
+  const vu<W> b = bits(f);
+  const vu<W> sign = (b >> 16) & 0x8000u;
+  const vu<W> u = b & 0x7fffffffu;
+  const vu<W> mant_odd = (u >> 13) & 1u;
+  vu<W> o = (u + mant_odd + ((static_cast<std::uint32_t>(15 - 127) << 23) + 0xfffu)) >> 13;
+  const vu<W> small = u < 0x38800000u;
+  if (any(small)) {
+    const vu<W> s = bits(from_bits(u) + 0.5f) - 0x3f000000u;
+    o = select(small, s, o);
+  }
+  const vu<W> big = u >= 0x47800000u;
+  if (any(big)) {
+    const vu<W> payload = (u >> 13) & 0x3ffu;
+    const vu<W> nan = u > 0x7f800000u;
+    const vu<W> nan_bits =
+        vu<W>::splat(0x7c00u) | select(payload == 0u, vu<W>::splat(0x200u), payload);
+    const vu<W> special = select(nan, nan_bits, vu<W>::splat(0x7c00u));
+    o = select(big, special, o);
+  }
+  return o | sign;
+}
+
+//! fp16 bits (low 16 bits of each lane) -> float, as fp16_bits_to_float.
+template <int W>
+SHARDKIT_DETAIL_SIMD_FN vf<W> fp16_widen_int(vu<W> h) {
+  constexpr std::uint32_t shifted_exp = 0x7c00u << 13;
+  vu<W> o = (h & 0x7fffu) << 13;
+  const vu<W> exp = o & shifted_exp;
+  o = o + (static_cast<std::uint32_t>(127 - 15) << 23);
+  o = o + ((exp == shifted_exp) & (static_cast<std::uint32_t>(128 - 16) << 23));
+  const vu<W> denormal = exp == 0u;
+  if (any(denormal)) {
+    const vf<W> renorm = from_bits(o + (1u << 23)) - from_bits(vu<W>::splat(113u << 23));
+    o = select(denormal, bits(renorm), o);
+  }
+  return from_bits(o | ((h & 0x8000u) << 16));
+}
+
+#if defined(SHARDKIT_DETAIL_HOST_ASM)
+//! VCVTNEPS2BF16 (AVX512-BF16), 16 lanes.
+template <int W>
+SHARDKIT_DETAIL_SIMD_FN vh<W> bf16_cvt_hw(vf<W> f) {
+  static_assert(W == 16);
+  vh<W> h;
+  __asm__("vcvtneps2bf16 %1, %0" : "=v"(h.v) : "v"(f.v));
+  return h;
+}
+//! VCVTPS2PH (F16C / AVX-512F), round to nearest even.
+template <int W>
+SHARDKIT_DETAIL_SIMD_FN vh<W> fp16_cvt_hw(vf<W> f) {
+  vh<W> h;
+  __asm__("vcvtps2ph $0, %1, %0" : "=v"(h.v) : "v"(f.v));
+  return h;
+}
+//! VCVTPH2PS (F16C / AVX-512F).
+template <int W>
+SHARDKIT_DETAIL_SIMD_FN vf<W> fp16_widen_hw(vh<W> h) {
+  vf<W> f;
+  __asm__("vcvtph2ps %1, %0" : "=v"(f.v) : "v"(h.v));
+  return f;
+}
+//! Whether any lane of a 16-lane vector is of one of the classes `Classes` names
+//! (VFPCLASSPS, AVX-512DQ: 0x01 quiet NaN, 0x20 subnormal, 0x80 signalling NaN, ...), tested
+//! in a mask register: one instruction and a flag test per vector, where the same test in
+//! vector compares costs two compares, two mask moves, an or and a fold. VFPCLASSPS reads the
+//! raw bits (MXCSR's DAZ does not apply) and raises no exception.
+template <int Classes, int W>
+SHARDKIT_DETAIL_SIMD_FN bool any_class(vf<W> f) {
+  static_assert(W == 16);
+  bool r;
+  __asm__("vfpclassps %2, %1, %%k1\n\tkortestw %%k1, %%k1"
+          : "=@ccnz"(r)
+          : "v"(f.v), "i"(Classes)
+          : "k1");
+  return r;
+}
+inline constexpr int class_nan = 0x81;        //!< quiet or signalling NaN
+inline constexpr int class_subnormal = 0x20;  //!< subnormal (denormal)
+#endif
+}  // namespace impl
+
+//! Rounds each lane to bf16 (round to nearest even; NaN stays NaN, as float_to_bf16_bits);
+//! the 16-bit patterns.
+template <class Isa>
+SHARDKIT_DETAIL_SIMD_FN vh<Isa::width> to_bf16(vf<Isa::width> f) {
+  [[maybe_unused]] constexpr int W = Isa::width;
+#if defined(SHARDKIT_DETAIL_HOST_ASM)
+  if constexpr (Isa::bf16_cvt && W == 16) {
+    vh<W> h = impl::bf16_cvt_hw<W>(f);
+    // subnormal (flushed by the instruction) or NaN (always quieted by it)
+    if (impl::any_class<impl::class_nan | impl::class_subnormal>(f)) {
+      const vu<W> a = bits(f) & 0x7fffffffu;
+      const vu<W> special = ((a - 1u) < 0x007fffffu) | (a > 0x7f800000u);
+      const vu<W> r = impl::bf16_round_int(bits(f));
+      h = impl::narrow(select(special, r, impl::widen<W>(h)));
+    }
+    return h;
+  }
+#endif
+  return impl::narrow(impl::bf16_round_int(bits(f)));
+}
+
+//! Rounds each lane to fp16 (as float_to_fp16_bits); the 16-bit patterns.
+template <class Isa>
+SHARDKIT_DETAIL_SIMD_FN vh<Isa::width> to_fp16(vf<Isa::width> f) {
+  [[maybe_unused]] constexpr int W = Isa::width;
+#if defined(SHARDKIT_DETAIL_HOST_ASM)
+  if constexpr (Isa::f16c && W >= 8) {
+    vh<W> h = impl::fp16_cvt_hw(f);
+    // F16C quiets signalling NaNs
+    if constexpr (W == 16) {
+      if (!impl::any_class<impl::class_nan>(f)) return h;
+    }
+    const vu<W> nan = (bits(f) & 0x7fffffffu) > 0x7f800000u;
+    if (any(nan)) h = impl::narrow(select(nan, impl::fp16_round_int(f), impl::widen<W>(h)));
+    return h;
+  }
+#endif
+  return impl::narrow(impl::fp16_round_int(f));
+}
+
+//! Widens fp16 patterns to floats (exact, as fp16_bits_to_float).
+template <class Isa>
+SHARDKIT_DETAIL_SIMD_FN vf<Isa::width> from_fp16(vh<Isa::width> h) {
+  [[maybe_unused]] constexpr int W = Isa::width;
+#if defined(SHARDKIT_DETAIL_HOST_ASM)
+  if constexpr (Isa::f16c && W >= 8) {
+    vf<W> f = impl::fp16_widen_hw<W>(h);
+    // a lane of f is NaN exactly where h held one
+    if constexpr (W == 16) {
+      if (!impl::any_class<impl::class_nan>(f)) return f;
+    }
+    const vu<W> u = impl::widen<W>(h);
+    const vu<W> nan = (u & 0x7fffu) > 0x7c00u;  // F16C quiets signalling NaNs
+    if (any(nan)) f = select(nan, impl::fp16_widen_int(u), f);
+    return f;
+  }
+#endif
+  return impl::fp16_widen_int(impl::widen<W>(h));
+}
+
+//! Loads Isa::width elements of fp32/bf16/fp16 storage as floats.
+template <class Isa, class T>
+SHARDKIT_DETAIL_SIMD_FN vf<Isa::width> load(const T* p) {
+  constexpr int W = Isa::width;
+  if constexpr (std::is_same_v<T, float>) {
+    vf<W> x;
+    std::memcpy(&x.v, p, sizeof x.v);
+    return x;
+  } else if constexpr (std::is_same_v<T, bf16>) {
+    return from_bits(impl::widen<W>(impl::load_h<W>(p)) << 16);
+  } else {
+    static_assert(std::is_same_v<T, fp16>, "simd::load: element type must be float, bf16 or fp16");
+    return from_fp16<Isa>(impl::load_h<W>(p));
+  }
+}
+
+//! Stores Isa::width floats to fp32/bf16/fp16 storage (round to nearest even).
+template <class Isa, class T>
+SHARDKIT_DETAIL_SIMD_FN void store(T* p, vf<Isa::width> x) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(p, &x.v, sizeof x.v);
+  } else if constexpr (std::is_same_v<T, bf16>) {
+    impl::store_h<Isa::width>(p, to_bf16<Isa>(x));
+  } else {
+    static_assert(std::is_same_v<T, fp16>, "simd::store: element type must be float, bf16 or fp16");
+    impl::store_h<Isa::width>(p, to_fp16<Isa>(x));
+  }
+}
+
+//! The value each lane has once stored as T (T(x) as a float), and the store itself.
+template <class Isa, class T>
+SHARDKIT_DETAIL_SIMD_FN vf<Isa::width> store_rounded(T* p, vf<Isa::width> x) {
+  constexpr int W = Isa::width;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(p, &x.v, sizeof x.v);
+    return x;
+  } else if constexpr (std::is_same_v<T, bf16>) {
+    const vh<W> h = to_bf16<Isa>(x);
+    impl::store_h<W>(p, h);
+    return from_bits(impl::widen<W>(h) << 16);
+  } else {
+    const vh<W> h = to_fp16<Isa>(x);
+    impl::store_h<W>(p, h);
+    return from_fp16<Isa>(h);
+  }
+}
+
+//! Loads the first n < Isa::width elements; the other lanes read as zero.
+template <class Isa, class T>
+SHARDKIT_DETAIL_SIMD_FN vf<Isa::width> load_partial(const T* p, std::size_t n) {
+  T tmp[Isa::width] = {};
+  std::memcpy(tmp, p, n * sizeof(T));
+  return load<Isa>(tmp);
+}
+
+//! Stores the first n < Isa::width lanes.
+template <class Isa, class T>
+SHARDKIT_DETAIL_SIMD_FN void store_partial(T* p, vf<Isa::width> x, std::size_t n) {
+  T tmp[Isa::width];
+  store<Isa>(tmp, x);
+  std::memcpy(p, tmp, n * sizeof(T));
+}
+
+template <class Isa, class T>
+SHARDKIT_DETAIL_SIMD_FN vf<Isa::width> store_rounded_partial(T* p, vf<Isa::width> x,
+                                                             std::size_t n) {
+  T tmp[Isa::width];
+  const vf<Isa::width> r = store_rounded<Isa>(tmp, x);
+  std::memcpy(p, tmp, n * sizeof(T));
+  return r;
+}
+
+}  // namespace simd
+SHARDKIT_NAMESPACE_END
