@@ -153,13 +153,15 @@ TEST_CASE("calibrate: sweep options are checked") {
 
 TEST_CASE("calibrate: the sweep over 2 thread ranks gives a positive, finite link") {
   plan::sweep_options o;
-  o.max_bytes = 256 << 10;  // a short sweep: 4 KiB .. 256 KiB
+  // A short sweep, 4 KiB .. 4 MiB: with three decades of sizes the time per byte is positive
+  // even on a machine busy with builds (4 KiB .. 64 KiB alone was not, once).
+  o.max_bytes = 4 << 20;
   o.reps = 3;
   const auto results =
       shardkit::run_ranks(2, [&](shardkit::thread_comm& comm) { return plan::calibrate(comm, o); });
   REQUIRE(results.size() == 2);
   const auto& c = results[0];
-  CHECK(c.samples.size() == 3 * 4);  // 3 collectives x {4, 16, 64, 256} KiB
+  CHECK(c.samples.size() == 3 * 6);  // 3 collectives x {4, 16, 64, 256} KiB, {1, 4} MiB
   for (const auto& s : c.samples) {
     CHECK(s.ranks == 2);
     CHECK(s.seconds > 0);
