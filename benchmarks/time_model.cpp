@@ -12,7 +12,8 @@
 //
 // For each communicator size N (in-process ranks, or the MPI world):
 //  1. calibrate: plan::calibrate sweeps all-gather, reduce-scatter and all-reduce (4 KiB to
-//     --max-bytes) and fits one link (alpha, bandwidth);
+//     --max-bytes, bf16 as the step's gradients and working parameters: the host reduction
+//     costs more per byte in bf16 than in fp32) and fits one link (alpha, bandwidth);
 //  2. predict: plan::comm_time_per_step for the model's units on a cluster of one node of
 //     N GPUs whose intra-node link is the fit (flat rings);
 //  3. measure, per stage, over --reps steps after one warm-up step, two definitions of the
@@ -70,7 +71,7 @@ struct config {
   model_shape shape;
   std::vector<int> ranks{2, 4};
   int reps = 7;
-  plan::sweep_options sweep;
+  plan::sweep_options sweep{.element = shardkit::dtype::bf16};  // the gradients' type
 };
 
 //! The measurements of one stage on one communicator (the same on every rank).

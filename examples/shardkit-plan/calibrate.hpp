@@ -35,6 +35,7 @@ namespace plan = shardkit::plan;
 constexpr const char* calibrate_usage_text =
     "\n"
     "usage: shardkit-plan --calibrate [--comm thread|mpi] [--ranks N] [--max-bytes B] [--reps K]\n"
+    "                          [--dtype bf16|fp32]\n"
     "  calibration (prints the cluster flags above, measured on this machine)\n"
     "    --calibrate           time all-gather, reduce-scatter and all-reduce on N ranks of one\n"
     "                          node and fit --intra-alpha and --intra-bw to them\n"
@@ -42,7 +43,8 @@ constexpr const char* calibrate_usage_text =
     "                          under an MPI launcher)\n"
     "    --ranks N             in-process ranks to time (default 4; under MPI: the processes)\n"
     "    --max-bytes B         largest buffer timed (default 16MiB; from 4KiB, x4 apart)\n"
-    "    --reps K              repetitions per size, median taken (default 5)\n";
+    "    --reps K              repetitions per size, median taken (default 5)\n"
+    "    --dtype bf16|fp32     element type timed, as the gradients (default bf16)\n";
 
 //! Whether the command line asks for the calibration mode.
 inline bool wants_calibrate(int argc, char** argv) {
@@ -70,6 +72,7 @@ inline std::uint64_t parse_plain_or_unit_bytes(std::string_view flag, std::strin
 
 inline calibrate_options parse_calibrate(int argc, char** argv) {
   calibrate_options o;
+  o.sweep.element = shardkit::dtype::bf16;  // the planner's default --dtype
   for (int i = 1; i < argc; ++i) {
     const std::string_view a = argv[i];
     if (a == "--calibrate") continue;
@@ -77,10 +80,12 @@ inline calibrate_options parse_calibrate(int argc, char** argv) {
       o.help = true;
       return o;
     }
-    const bool valued = a == "--comm" || a == "--ranks" || a == "--max-bytes" || a == "--reps";
+    const bool valued =
+        a == "--comm" || a == "--ranks" || a == "--max-bytes" || a == "--reps" || a == "--dtype";
     if (!valued) {
-      throw cli::bad_argument("--calibrate: unknown argument '" + std::string(a) +
-                              "'; expected --comm, --ranks, --max-bytes or --reps (see --help)");
+      throw cli::bad_argument(
+          "--calibrate: unknown argument '" + std::string(a) +
+          "'; expected --comm, --ranks, --max-bytes, --reps or --dtype (see --help)");
     }
     if (i + 1 >= argc) throw cli::bad_argument(std::string(a) + ": missing value (see --help)");
     const std::string_view v = argv[++i];
@@ -98,6 +103,10 @@ inline calibrate_options parse_calibrate(int argc, char** argv) {
         cli::fail(a, v, "must be 16KiB..1GiB (the sweep starts at 4KiB and needs two sizes)");
       }
       o.sweep.max_bytes = static_cast<std::size_t>(b);
+    } else if (a == "--dtype") {
+      o.sweep.element = cli::parse_dtype(a, v);
+      if (o.sweep.element == shardkit::dtype::f16)
+        cli::fail(a, v, "is not timed; expected bf16 or fp32");
     } else {
       const std::uint64_t k = cli::parse_count(a, v);
       if (k < 1 || k > 1000) cli::fail(a, v, "must be 1..1000 repetitions");
@@ -155,9 +164,10 @@ inline std::string human_time(double s) {
 inline int print_calibration(const std::vector<plan::calibration_sample>& samples, const char* comm,
                              std::uint64_t ranks, const plan::sweep_options& o) {
   std::printf(
-      "shardkit-plan --calibrate: %s communicator, %llu ranks, %zu B - %zu B buffers, "
+      "shardkit-plan --calibrate: %s communicator, %llu ranks, %s, %zu B - %zu B buffers, "
       "median of %d\n",
-      comm, static_cast<unsigned long long>(ranks), o.min_bytes, o.max_bytes, o.reps);
+      comm, static_cast<unsigned long long>(ranks), shardkit::name(o.element), o.min_bytes,
+      o.max_bytes, o.reps);
   std::optional<plan::link_fit> fit;
   std::string why;
   try {

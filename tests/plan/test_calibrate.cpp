@@ -174,6 +174,16 @@ TEST_CASE("calibrate: the sweep over 2 thread ranks gives a positive, finite lin
   for (std::size_t i = 0; i < c.samples.size(); ++i) {
     CHECK(results[1].samples[i].seconds == c.samples[i].seconds);
   }
+  // bf16 buffers: the same sizes in bytes, 2-byte elements.
+  o.element = shardkit::dtype::bf16;
+  const auto b = shardkit::run_ranks(
+      2, [&](shardkit::thread_comm& comm) { return plan::measure_collectives(comm, o); });
+  REQUIRE(b[0].size() == c.samples.size());
+  for (std::size_t i = 0; i < b[0].size(); ++i) {
+    CHECK(b[0][i].elem_bytes == 2);
+    CHECK(b[0][i].count == 2 * c.samples[i].count);
+    CHECK(b[0][i].seconds > 0);
+  }
 }
 
 TEST_CASE("calibrate: the sweep refuses a communicator of one rank") {

@@ -27,12 +27,12 @@
 //!
 //! **The sweep.** calibrate(comm, options) is collective: every rank of `comm` calls it with the
 //! same options. For all-gather, reduce-scatter and all-reduce at buffer sizes from
-//! options.min_bytes to options.max_bytes (×4 each, fp32 elements; the size is the whole array:
-//! all-gather's output, reduce-scatter's input, all-reduce's buffer), it runs options.warmup
-//! calls, then options.reps repetitions, each a barrier followed by `iters` back-to-back calls
-//! (more for small sizes, so a repetition moves at least options.bytes_per_rep); the time of a
-//! repetition is the slowest rank's (an all-reduce with max), and a sample's time is the median
-//! of the repetitions. Every rank returns the same samples and the same fit.
+//! options.min_bytes to options.max_bytes (×4 each, elements of options.element, fp32 or bf16; the
+//! size is the whole array: all-gather's output, reduce-scatter's input, all-reduce's buffer), it
+//! runs options.warmup calls, then options.reps repetitions, each a barrier followed by `iters`
+//! back-to-back calls (more for small sizes, so a repetition moves at least options.bytes_per_rep);
+//! the time of a repetition is the slowest rank's (an all-reduce with max), and a sample's time is
+//! the median of the repetitions. Every rank returns the same samples and the same fit.
 //!
 //! What the fit absorbs: the model counts only messages and bytes; the communicator's own
 //! arithmetic (shardkit reduces on the host in rank order), copies and synchronisation land in
@@ -42,6 +42,7 @@
 
 #include <shardkit/comm/communicator.hpp>
 #include <shardkit/config.hpp>
+#include <shardkit/core/dtype.hpp>
 #include <shardkit/core/error.hpp>
 #include <shardkit/core/ledger.hpp>
 #include <shardkit/core/reduce_op.hpp>
@@ -228,6 +229,10 @@ struct sweep_options {
   int warmup = 1;                                 //!< untimed calls per size before the repetitions
   std::size_t bytes_per_rep = std::size_t{1} << 20;  //!< small sizes repeat until this many bytes
   int max_iters = 64;                                //!< most calls in one repetition
+  //! Element type of the buffers: fp32 or bf16. Use the gradients' type of the steps to be
+  //! predicted: a host communicator's reduction costs more per byte in bf16 (fp32 accumulation
+  //! and rounding) than in fp32, and the fit charges that to β.
+  dtype element = dtype::f32;
 };
 
 //! The samples of a sweep and their fit.
@@ -238,6 +243,10 @@ struct calibration {
 
 //! Raises calibration_error unless `o` describes a sweep (named per field).
 inline void check(const sweep_options& o, int rank) {
+  if (o.element != dtype::f32 && o.element != dtype::bf16) {
+    shardkit::detail::raise<calibration_error>("calibrate (rank ", rank, "): element type ",
+                                               name(o.element), "; expected fp32 or bf16");
+  }
   if (o.min_bytes < 4) {
     shardkit::detail::raise<calibration_error>("calibrate (rank ", rank, "): min_bytes ",
                                                o.min_bytes,
@@ -255,6 +264,11 @@ inline void check(const sweep_options& o, int rank) {
   }
 }
 
+namespace detail {
+template <class T, class Comm>
+std::vector<calibration_sample> sweep(Comm& comm, const sweep_options& o);
+}  // namespace detail
+
 //! Times all-gather, reduce-scatter and all-reduce on `comm` (see the file comment): the samples
 //! of calibrate(), unfitted. Collective: every rank calls it with the same options; every rank
 //! returns the same samples. Throws calibration_error on a communicator of one rank.
@@ -270,15 +284,23 @@ std::vector<calibration_sample> measure_collectives(Comm& comm, const sweep_opti
                                                "): the communicator has ", P,
                                                " rank; expected at least 2");
   }
+  if (o.element == dtype::bf16) return detail::sweep<bf16>(comm, o);
+  return detail::sweep<float>(comm, o);
+}
+
+namespace detail {
+template <class T, class Comm>
+std::vector<calibration_sample> sweep(Comm& comm, const sweep_options& o) {
+  const int P = comm.size();
   const auto p = static_cast<std::size_t>(P);
   // Element counts: whole arrays that P divides, so every rank's slice is the same.
   std::vector<std::size_t> sizes;
   for (std::size_t b = o.min_bytes; b <= o.max_bytes; b *= 4) {
-    const std::size_t n = std::max<std::size_t>(p, (b / 4) / p * p);
+    const std::size_t n = std::max<std::size_t>(p, (b / sizeof(T)) / p * p);
     if (sizes.empty() || n != sizes.back()) sizes.push_back(n);
   }
   const std::size_t largest = sizes.back();
-  std::vector<float> in(largest, 1.0f), out(largest, 0.0f);
+  std::vector<T> in(largest, T(1.0f)), out(largest, T(0.0f));
 
   auto run = [&](collective op, std::size_t n) {
     switch (op) {
@@ -298,7 +320,7 @@ std::vector<calibration_sample> measure_collectives(Comm& comm, const sweep_opti
                             collective::all_reduce};
   for (const collective op : ops) {
     for (const std::size_t n : sizes) {
-      const std::size_t bytes = n * sizeof(float);
+      const std::size_t bytes = n * sizeof(T);
       const int iters = static_cast<int>(std::clamp<std::size_t>(
           o.bytes_per_rep / bytes, 1, static_cast<std::size_t>(o.max_iters)));
       for (int w = 0; w < o.warmup; ++w) run(op, n);
@@ -317,11 +339,12 @@ std::vector<calibration_sample> measure_collectives(Comm& comm, const sweep_opti
                                 ? reps[reps.size() / 2]
                                 : 0.5 * (reps[reps.size() / 2 - 1] + reps[reps.size() / 2]);
       const std::uint64_t count = op == collective::all_reduce ? n : n / p;
-      samples.push_back({op, count, sizeof(float), static_cast<std::uint64_t>(P), median});
+      samples.push_back({op, count, sizeof(T), static_cast<std::uint64_t>(P), median});
     }
   }
   return samples;
 }
+}  // namespace detail
 
 //! measure_collectives(comm, o) and its fit_link(). Collective; every rank returns the same
 //! result, or throws the same calibration_error when the samples cannot be fitted (e.g. times
