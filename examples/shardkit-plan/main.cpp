@@ -35,6 +35,7 @@
 #include <shardkit/plan/planner.hpp>
 
 #include "../common/format.hpp"
+#include "calibrate.hpp"
 #include "offload_report.hpp"
 #include "parse.hpp"
 
@@ -550,10 +551,14 @@ void print_json(const options& o, const plan::plan_report& r, std::span<const pl
 }  // namespace
 
 int main(int argc, char** argv) {
+  const std::string usage = std::string(usage_text) + shardkit_plan::calibrate_usage_text;
+  if (shardkit_plan::wants_calibrate(argc, argv)) {
+    return shardkit_plan::calibrate_main(argc, argv, usage.c_str());
+  }
   try {
     options o = parse(argc, argv);
     if (o.help) {
-      std::fputs(usage_text, stdout);
+      std::fputs(usage.c_str(), stdout);
       return 0;
     }
     const std::vector<plan::unit> model = build_model(o);

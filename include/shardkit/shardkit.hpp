@@ -5,6 +5,7 @@
 
 #include <shardkit/comm/communicator.hpp>
 #include <shardkit/comm/thread.hpp>
+#include <shardkit/comm/timed.hpp>
 #include <shardkit/comm/volume.hpp>
 #include <shardkit/config.hpp>
 #include <shardkit/core/dtype.hpp>
@@ -22,6 +23,7 @@
 #include <shardkit/kernels/host/simd.hpp>
 #include <shardkit/kernels/host/simd_storage.hpp>
 #include <shardkit/kernels/math.hpp>
+#include <shardkit/plan/calibrate.hpp>
 #include <shardkit/plan/formulas.hpp>
 #include <shardkit/plan/offload.hpp>
 #include <shardkit/plan/planner.hpp>

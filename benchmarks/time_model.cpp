@@ -1,0 +1,314 @@
+// The planner's time model against measurement: calibrate the alpha-beta model on this machine
+// (plan/calibrate.hpp), then predict the communication time of one engine step for stages 0-3
+// (plan::comm_time_per_step) and measure it.
+//
+//   shardkit_bench_time_model [--size=tiny|full] [--ranks 2,4] [--reps K] [--max-bytes B]
+//   mpiexec -np 4 shardkit_bench_time_model [--size=...] [--reps K]   (the MPI communicator)
+//
+// The model is benchmarks/engine.cpp's: L units, each a d x d weight and a d bias, bf16 working
+// parameters and gradients, fp32 master, AdamW (d = 1024, L = 8 full; d = 64, L = 2 tiny). A step
+// is what engine.cpp times: the unit hooks of a forward and a backward, every gradient handed
+// over with grad_ready, then step(). There is no model compute.
+//
+// For each communicator size N (in-process ranks, or the MPI world):
+//  1. calibrate: plan::calibrate sweeps all-gather, reduce-scatter and all-reduce (4 KiB to
+//     --max-bytes, bf16 as the step's gradients and working parameters: the host reduction
+//     costs more per byte in bf16 than in fp32) and fits one link (alpha, bandwidth);
+//  2. predict: plan::comm_time_per_step for the model's units on a cluster of one node of
+//     N GPUs whose intra-node link is the fit (flat rings);
+//  3. measure, per stage, over --reps steps after one warm-up step, two definitions of the
+//     communication time of a step, each the slowest rank's (max over ranks), median over steps:
+//     - "in comm": seconds inside the communicator's calls during the step, timed by
+//       timed_comm (comm/timed.hpp): every synchronous collective, and for asynchronous ones the
+//       time to issue them plus the time spent in wait()/test(). This is the blocked (exposed)
+//       communication time, and the primary measurement.
+//     - "wall-opt": the step's wall time minus step_report::optimizer_seconds. It also counts
+//       everything else the engine does outside the optimizer (copying gradients into buckets,
+//       bf16 conversions, ZeRO-3 bookkeeping, the step's control collectives), so it is an upper
+//       bound of the communication time, looser for small models.
+//     Both include the engine's small control collectives (schedule check, overflow/norm
+//     agreement), which the model does not count: they matter only where the data collectives are
+//     tiny (--size=tiny).
+//  Printed per N and stage: predicted, in comm, wall-opt, the ratios predicted / measured, the
+//  collectives issued against the model's count, and bytes_sent against plan::bytes_sent_per_step
+//  (a check that the model's list of collectives is the engine's).
+//
+// Timings need an idle machine; this program checks nothing but that it runs (a smoke ctest
+// runs --size=tiny).
+#include <shardkit/comm/thread.hpp>
+#include <shardkit/comm/timed.hpp>
+#include <shardkit/plan/calibrate.hpp>
+#include <shardkit/plan/comm.hpp>
+#include <shardkit/plan/time.hpp>
+#include <shardkit/zero/engine.hpp>
+
+#if defined(SHARDKIT_BENCH_MPI)
+#include <shardkit/comm/mpi.hpp>
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+namespace plan = shardkit::plan;
+
+struct model_shape {
+  std::size_t d = 1024;
+  std::size_t layers = 8;
+};
+
+struct config {
+  model_shape shape;
+  std::vector<int> ranks{2, 4};
+  int reps = 7;
+  plan::sweep_options sweep{.element = shardkit::dtype::bf16};  // the gradients' type
+};
+
+//! The measurements of one stage on one communicator (the same on every rank).
+struct stage_result {
+  double in_comm = 0;       // median over steps of the slowest rank's seconds inside collectives
+  double wall_opt = 0;      // median over steps of the slowest rank's wall − optimizer seconds
+  std::uint64_t calls = 0;  // data and control collectives issued by rank 0 in one step
+  std::uint64_t bytes_sent = 0;  // step_report::bytes_sent of rank 0
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::vector<plan::unit> units_of(const model_shape& m) {
+  return std::vector<plan::unit>(m.layers, plan::unit{m.d * m.d + m.d});
+}
+
+//! One rank of `comm` runs `reps` timed engine steps of stage S (collective).
+template <int S, class Comm>
+stage_result measure_stage(Comm& comm, const config& c) {
+  using timed = shardkit::timed_comm<Comm>;
+  using engine_t = shardkit::engine<timed, shardkit::stage<S>, shardkit::bf16, shardkit::adamw>;
+  const int rank = comm.rank();
+  timed tc(comm.split(0, rank));  // a communicator of its own, owned by the timing wrapper
+  const model_shape& m = c.shape;
+  shardkit::model_spec model;
+  std::vector<std::vector<float>> init;
+  for (std::size_t l = 0; l < m.layers; ++l) {
+    init.emplace_back(m.d * m.d);
+    for (std::size_t k = 0; k < init.back().size(); ++k) {
+      init.back()[k] = 1e-2f * (static_cast<float>(k % 101) - 50.0f) / 50.0f;
+    }
+    init.emplace_back(m.d, 0.0f);
+  }
+  for (std::size_t l = 0; l < m.layers; ++l) {
+    model.begin_unit("layer" + std::to_string(l));
+    model.add("layer" + std::to_string(l) + ".weight", init[2 * l]);
+    model.add("layer" + std::to_string(l) + ".bias", init[2 * l + 1]);
+  }
+  std::vector<std::vector<shardkit::bf16>> grads;
+  for (const auto& p : init) {
+    grads.emplace_back(p.size());
+    for (std::size_t k = 0; k < p.size(); ++k) {
+      grads.back()[k] = shardkit::bf16(
+          1e-3f * (static_cast<float>((k + 7 * static_cast<std::size_t>(rank)) % 89) - 44.0f));
+    }
+  }
+  engine_t e(tc, model, shardkit::adam_options{.lr = 1e-4f});
+  auto step = [&] {
+    const std::size_t units = e.num_units();
+    for (std::size_t u = 0; u < units; ++u) {
+      e.pre_forward(u);
+      e.post_forward(u);
+    }
+    for (std::size_t u = units; u-- > 0;) {
+      e.pre_backward(u);
+      e.grad_ready(2 * u + 1, grads[2 * u + 1]);
+      e.grad_ready(2 * u, grads[2 * u]);
+      e.post_backward(u);
+    }
+    return e.step();
+  };
+  step();  // warm-up: first touch, ZeRO-3 learns its prefetch order
+  stage_result r;
+  std::vector<double> in_comm, wall_opt;
+  for (int rep = 0; rep < c.reps; ++rep) {
+    tc.inner().barrier();  // untimed: not part of the step
+    const double c0 = tc.timing().total_seconds();
+    const std::uint64_t n0 = tc.timing().total_calls();
+    const auto t0 = std::chrono::steady_clock::now();
+    const shardkit::step_report rep_ = step();
+    const double wall =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    double v[2] = {tc.timing().total_seconds() - c0, wall - rep_.optimizer_seconds};
+    r.calls = tc.timing().total_calls() - n0;
+    r.bytes_sent = rep_.bytes_sent;
+    tc.inner().all_reduce(v, v, 2, shardkit::reduce_op::max);  // the slowest rank's
+    in_comm.push_back(v[0]);
+    wall_opt.push_back(v[1]);
+  }
+  r.in_comm = median(in_comm);
+  r.wall_opt = median(wall_opt);
+  return r;
+}
+
+//! Calibration and the four stages on one communicator (collective); results on every rank.
+struct run_result {
+  std::vector<plan::calibration_sample> samples;
+  stage_result stages[4];
+};
+
+template <class Comm>
+run_result run_all(Comm& comm, const config& c) {
+  run_result r;
+  r.samples = plan::measure_collectives(comm, c.sweep);
+  r.stages[0] = measure_stage<0>(comm, c);
+  r.stages[1] = measure_stage<1>(comm, c);
+  r.stages[2] = measure_stage<2>(comm, c);
+  r.stages[3] = measure_stage<3>(comm, c);
+  return r;
+}
+
+std::string us(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", s * 1e6);
+  return buf;
+}
+
+//! Prints one communicator's table; returns 1 when the calibration could not be fitted.
+int report(const char* comm_name, int N, const config& c, const run_result& r) {
+  plan::link_fit fit;
+  try {
+    fit = plan::fit_link(r.samples);
+  } catch (const plan::calibration_error& e) {
+    std::printf("\n%s communicator, N = %d: calibration failed: %s\n", comm_name, N, e.what());
+    return 1;
+  }
+  const std::vector<plan::unit> units = units_of(c.shape);
+  plan::cluster cl;
+  cl.gpus_per_node = static_cast<std::uint64_t>(N);
+  cl.intra = fit.fitted;
+  cl.inter = fit.fitted;
+  std::printf(
+      "\n%s communicator, N = %d: calibrated alpha %.3g us, bandwidth %.4g GB/s "
+      "(max relative error of the fit %.1f%%%s)\n",
+      comm_name, N, fit.fitted.latency_s * 1e6, fit.fitted.bytes_per_s / 1e9,
+      100.0 * fit.max_rel_error, fit.latency_fixed_at_zero ? ", alpha fixed at 0" : "");
+  std::printf("  %-6s %12s %12s %12s %9s %9s %7s %7s %14s %s\n", "stage", "predicted_us",
+              "in_comm_us", "wall-opt_us", "pred/comm", "pred/wall", "calls", "model", "bytes_sent",
+              "bytes");
+  for (int st = 0; st < 4; ++st) {
+    plan::setup s;
+    s.stage = st;
+    s.ranks = static_cast<std::uint64_t>(N);
+    s.bytes = plan::precision_of(shardkit::dtype::bf16, shardkit::dtype::bf16,
+                                 plan::optimizer_kind::adamw);
+    const double predicted = plan::comm_time_per_step(s, units, cl);
+    const plan::comm_bytes b = plan::bytes_sent_per_step(s, units, 0);
+    const stage_result& m = r.stages[st];
+    std::printf(
+        "  %-6d %12s %12s %12s %9.3f %9.3f %7llu %7llu %14llu %s\n", st, us(predicted).c_str(),
+        us(m.in_comm).c_str(), us(m.wall_opt).c_str(), predicted / m.in_comm,
+        predicted / m.wall_opt, static_cast<unsigned long long>(m.calls),
+        static_cast<unsigned long long>(b.calls()), static_cast<unsigned long long>(m.bytes_sent),
+        m.bytes_sent == b.total() ? "= model" : "DIFFERS from the model");
+  }
+  return 0;
+}
+
+[[noreturn]] void usage(const std::string& why) {
+  throw std::invalid_argument(why +
+                              "\nusage: shardkit_bench_time_model [--size=tiny|full] "
+                              "[--ranks 2,4] [--reps K] [--max-bytes B]");
+}
+
+config parse(int argc, char** argv) {
+  config c;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--size=tiny") {
+      c.shape = {64, 2};
+      c.reps = 3;
+      c.sweep.max_bytes = 1 << 20;  // smaller sizes alone are noise on a busy machine
+      c.sweep.reps = 3;
+      continue;
+    }
+    if (a == "--size=full") continue;
+    if (i + 1 >= argc) usage("unknown or incomplete argument '" + a + "'");
+    const std::string v = argv[++i];
+    if (a == "--ranks") {
+      c.ranks.clear();
+      for (std::size_t p = 0; p < v.size();) {
+        const std::size_t q = std::min(v.find(',', p), v.size());
+        const int n = std::atoi(v.substr(p, q - p).c_str());
+        if (n < 2 || n > 64) usage("--ranks: '" + v + "': every N must be 2..64");
+        c.ranks.push_back(n);
+        p = q + 1;
+      }
+    } else if (a == "--reps") {
+      c.reps = std::atoi(v.c_str());
+      if (c.reps < 1) usage("--reps: '" + v + "' must be at least 1");
+    } else if (a == "--max-bytes") {
+      c.sweep.max_bytes = static_cast<std::size_t>(std::strtoull(v.c_str(), nullptr, 10));
+      if (c.sweep.max_bytes < 4 * c.sweep.min_bytes) usage("--max-bytes: expected at least 16384");
+    } else {
+      usage("unknown argument '" + a + "'");
+    }
+  }
+  return c;
+}
+
+void header(const config& c) {
+  std::printf(
+      "time model vs measurement: %zu units of %zu x %zu + %zu (bf16, AdamW), %d steps "
+      "per stage (median), calibration 4 KiB - %zu B\n",
+      c.shape.layers, c.shape.d, c.shape.d, c.shape.d, c.reps, c.sweep.max_bytes);
+  std::printf(
+      "predicted = plan::comm_time_per_step (flat rings, the calibrated link); in_comm = "
+      "seconds inside collectives (timed_comm); wall-opt = step wall time - "
+      "optimizer_seconds; both the slowest rank's\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+#if defined(SHARDKIT_BENCH_MPI)
+    if (shardkit::launched_by_mpi()) {
+      return shardkit::mpi_main(argc, argv, [&](shardkit::mpi_comm& comm) -> int {
+        const config c = parse(argc, argv);
+        const run_result r = run_all(comm, c);
+        int status = 0;
+        if (comm.rank() == 0) {
+          header(c);
+          status = report("mpi", comm.size(), c, r);
+          std::fflush(stdout);
+        }
+        comm.broadcast(&status, 1, 0);  // the job's exit status is rank 0's
+        return status;
+      });
+    }
+#endif
+    const config c = parse(argc, argv);
+    header(c);
+    int status = 0;
+    for (const int N : c.ranks) {
+      const auto results =
+          shardkit::run_ranks(N, [&](shardkit::thread_comm& comm) { return run_all(comm, c); });
+      status |= report("thread", N, c, results[0]);
+      std::fflush(stdout);
+    }
+    return status;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shardkit_bench_time_model: error: %s\n", e.what());
+    return 1;
+  }
+}

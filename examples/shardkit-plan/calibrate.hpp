@@ -1,0 +1,295 @@
+// shardkit-plan --calibrate: times all-gather, reduce-scatter and all-reduce on this machine
+// (plan/calibrate.hpp), fits the alpha-beta model's link to them and prints the fitted values
+// as the flags to pass back to shardkit-plan, with a table of measured against fitted times.
+//
+//   shardkit-plan --calibrate [--comm thread|mpi] [--ranks N] [--max-bytes B] [--reps K]
+//   mpiexec -np 4 shardkit-plan --calibrate          (the MPI world; --comm mpi is the default
+//                                                     under an MPI launcher)
+//
+// The ranks are on one node here, so the fit is the intra-node link and --gpus-per-node is the
+// number of ranks timed. Exit status as the planner's: 2 for bad arguments, 1 for other errors.
+#pragma once
+
+#include <shardkit/comm/thread.hpp>
+#include <shardkit/plan/calibrate.hpp>
+
+#if defined(SHARDKIT_PLAN_MPI)
+#include <shardkit/comm/mpi.hpp>
+#endif
+
+#include "parse.hpp"
+
+#include <cctype>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace shardkit_plan {
+
+namespace plan = shardkit::plan;
+
+constexpr const char* calibrate_usage_text =
+    "\n"
+    "usage: shardkit-plan --calibrate [--comm thread|mpi] [--ranks N] [--max-bytes B] [--reps K]\n"
+    "                          [--dtype bf16|fp32]\n"
+    "  calibration (prints the cluster flags above, measured on this machine)\n"
+    "    --calibrate           time all-gather, reduce-scatter and all-reduce on N ranks of one\n"
+    "                          node and fit --intra-alpha and --intra-bw to them\n"
+    "    --comm thread|mpi     in-process ranks, or the MPI world under mpiexec (the default\n"
+    "                          under an MPI launcher)\n"
+    "    --ranks N             in-process ranks to time (default 4; under MPI: the processes)\n"
+    "    --max-bytes B         largest buffer timed (default 16MiB; from 4KiB, x4 apart)\n"
+    "    --reps K              repetitions per size, median taken (default 5)\n"
+    "    --dtype bf16|fp32     element type timed, as the gradients (default bf16)\n";
+
+//! Whether the command line asks for the calibration mode.
+inline bool wants_calibrate(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::string_view(argv[i]) == "--calibrate") return true;
+  }
+  return false;
+}
+
+struct calibrate_options {
+  std::string comm;  // "thread", "mpi" or empty (by launcher)
+  std::uint64_t ranks = 4;
+  bool ranks_given = false;
+  plan::sweep_options sweep;
+  bool help = false;
+};
+
+//! Bytes with a unit (64KiB, 16MiB) or a plain number of bytes (65536).
+inline std::uint64_t parse_plain_or_unit_bytes(std::string_view flag, std::string_view text) {
+  if (!text.empty() && std::isdigit(static_cast<unsigned char>(text.back()))) {
+    return cli::parse_count(flag, text);
+  }
+  return cli::parse_bytes(flag, text);
+}
+
+inline calibrate_options parse_calibrate(int argc, char** argv) {
+  calibrate_options o;
+  o.sweep.element = shardkit::dtype::bf16;  // the planner's default --dtype
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    if (a == "--calibrate") continue;
+    if (a == "--help" || a == "-h") {
+      o.help = true;
+      return o;
+    }
+    const bool valued =
+        a == "--comm" || a == "--ranks" || a == "--max-bytes" || a == "--reps" || a == "--dtype";
+    if (!valued) {
+      throw cli::bad_argument(
+          "--calibrate: unknown argument '" + std::string(a) +
+          "'; expected --comm, --ranks, --max-bytes, --reps or --dtype (see --help)");
+    }
+    if (i + 1 >= argc) throw cli::bad_argument(std::string(a) + ": missing value (see --help)");
+    const std::string_view v = argv[++i];
+    if (a == "--comm") {
+      if (v != "thread" && v != "mpi")
+        cli::fail(a, v, "is not a communicator; expected thread or mpi");
+      o.comm = std::string(v);
+    } else if (a == "--ranks") {
+      o.ranks = cli::parse_count(a, v);
+      o.ranks_given = true;
+      if (o.ranks < 2 || o.ranks > 256) cli::fail(a, v, "must be 2..256 ranks to calibrate on");
+    } else if (a == "--max-bytes") {
+      const std::uint64_t b = parse_plain_or_unit_bytes(a, v);
+      if (b < 4 * o.sweep.min_bytes || b > (std::uint64_t{1} << 30)) {
+        cli::fail(a, v, "must be 16KiB..1GiB (the sweep starts at 4KiB and needs two sizes)");
+      }
+      o.sweep.max_bytes = static_cast<std::size_t>(b);
+    } else if (a == "--dtype") {
+      o.sweep.element = cli::parse_dtype(a, v);
+      if (o.sweep.element == shardkit::dtype::f16)
+        cli::fail(a, v, "is not timed; expected bf16 or fp32");
+    } else {
+      const std::uint64_t k = cli::parse_count(a, v);
+      if (k < 1 || k > 1000) cli::fail(a, v, "must be 1..1000 repetitions");
+      o.sweep.reps = static_cast<int>(k);
+    }
+  }
+  return o;
+}
+
+//! "3.1us", "850ns", "1.2ms": a duration shardkit-plan's --*-alpha flags parse back.
+inline std::string format_duration_flag(double s) {
+  char buf[64];
+  if (s == 0) return "0us";
+  if (s < 1e-6) {
+    std::snprintf(buf, sizeof buf, "%.4gns", s * 1e9);
+  } else if (s < 1e-3) {
+    std::snprintf(buf, sizeof buf, "%.4gus", s * 1e6);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.4gms", s * 1e3);
+  }
+  return buf;
+}
+
+//! "5.2GB/s", "850MB/s": a bandwidth the --*-bw flags parse back.
+inline std::string format_bandwidth_flag(double bytes_per_s) {
+  char buf[64];
+  if (bytes_per_s >= 1e9) {
+    std::snprintf(buf, sizeof buf, "%.4gGB/s", bytes_per_s / 1e9);
+  } else if (bytes_per_s >= 1e6) {
+    std::snprintf(buf, sizeof buf, "%.4gMB/s", bytes_per_s / 1e6);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.4gkB/s", bytes_per_s / 1e3);
+  }
+  return buf;
+}
+
+//! The flags that put a calibration of `ranks` ranks on one node into shardkit-plan.
+inline std::string calibration_flags(const plan::link& l, std::uint64_t ranks) {
+  return "--gpus-per-node " + std::to_string(ranks) + " --intra-alpha " +
+         format_duration_flag(l.latency_s) + " --intra-bw " + format_bandwidth_flag(l.bytes_per_s);
+}
+
+inline std::string human_time(double s) {
+  char buf[64];
+  if (s < 1e-3) {
+    std::snprintf(buf, sizeof buf, "%.2f us", s * 1e6);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.3f ms", s * 1e3);
+  }
+  return buf;
+}
+
+//! Prints the measured samples against the fit, and the flags; when the samples cannot be
+//! fitted, prints them with the reason and returns 1 (else 0).
+inline int print_calibration(const std::vector<plan::calibration_sample>& samples, const char* comm,
+                             std::uint64_t ranks, const plan::sweep_options& o) {
+  std::printf(
+      "shardkit-plan --calibrate: %s communicator, %llu ranks, %s, %zu B - %zu B buffers, "
+      "median of %d\n",
+      comm, static_cast<unsigned long long>(ranks), shardkit::name(o.element), o.min_bytes,
+      o.max_bytes, o.reps);
+  std::optional<plan::link_fit> fit;
+  std::string why;
+  try {
+    fit = plan::fit_link(samples);
+  } catch (const plan::calibration_error& e) {
+    why = e.what();
+  }
+  std::printf("  %-15s %12s %13s %13s %8s\n", "collective", "bytes", "measured", "fitted", "error");
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const auto& s = samples[i];
+    const std::uint64_t whole =
+        (s.op == shardkit::collective::all_reduce ? s.count : s.count * s.ranks) * s.elem_bytes;
+    if (fit) {
+      const double m = fit->model_seconds[i];
+      std::printf("  %-15s %12llu %13s %13s %+7.1f%%\n", shardkit::name(s.op),
+                  static_cast<unsigned long long>(whole), human_time(s.seconds).c_str(),
+                  human_time(m).c_str(), 100.0 * (m - s.seconds) / s.seconds);
+    } else {
+      std::printf("  %-15s %12llu %13s %13s %8s\n", shardkit::name(s.op),
+                  static_cast<unsigned long long>(whole), human_time(s.seconds).c_str(), "-", "-");
+    }
+  }
+  if (!fit) {
+    std::fflush(stdout);
+    std::fprintf(stderr,
+                 "shardkit-plan: error: %s\n(on a busy machine small sizes are noisy: try a "
+                 "larger --max-bytes or more --reps)\n",
+                 why.c_str());
+    return 1;
+  }
+  const auto& f = *fit;
+  std::printf(
+      "fit (least squares of relative errors): alpha %s, bandwidth %s; max relative error "
+      "%.1f%%, rms %.1f%%\n",
+      format_duration_flag(f.fitted.latency_s).c_str(),
+      format_bandwidth_flag(f.fitted.bytes_per_s).c_str(), 100.0 * f.max_rel_error,
+      100.0 * f.rms_rel_error);
+  if (f.latency_fixed_at_zero) {
+    std::printf("note: the two-parameter fit gave a negative alpha (%s); refitted with alpha = 0\n",
+                human_time(f.unconstrained_latency_s).c_str());
+  }
+  std::printf("flags for shardkit-plan (a node of %llu ranks like this one):\n  %s\n",
+              static_cast<unsigned long long>(ranks), calibration_flags(f.fitted, ranks).c_str());
+  return 0;
+}
+
+#if defined(SHARDKIT_PLAN_MPI)
+inline int calibrate_mpi(int argc, char** argv, const calibrate_options& o) {
+  return shardkit::mpi_main(argc, argv, [&](shardkit::mpi_comm& comm) -> int {
+    if (o.ranks_given && o.ranks != static_cast<std::uint64_t>(comm.size())) {
+      if (comm.rank() == 0) {
+        std::fprintf(stderr,
+                     "shardkit-plan: error: --ranks %llu does not match the %d processes of this "
+                     "MPI job; omit --ranks under mpiexec\n",
+                     static_cast<unsigned long long>(o.ranks), comm.size());
+      }
+      return 2;
+    }
+    if (comm.size() < 2) {
+      if (comm.rank() == 0) {
+        std::fprintf(stderr,
+                     "shardkit-plan: error: --calibrate needs at least 2 MPI processes, "
+                     "got 1; run mpiexec -np 2 (or more)\n");
+      }
+      return 2;
+    }
+    const auto samples = plan::measure_collectives(comm, o.sweep);
+    int status = 0;
+    if (comm.rank() == 0) {
+      status = print_calibration(samples, "mpi", static_cast<std::uint64_t>(comm.size()), o.sweep);
+      std::fflush(stdout);
+    }
+    comm.broadcast(&status, 1, 0);  // the job's exit status is rank 0's
+    return status;
+  });
+}
+#endif
+
+//! main() of the calibration mode.
+inline int calibrate_main(int argc, char** argv, const char* usage) {
+  calibrate_options o;
+  try {
+    o = parse_calibrate(argc, argv);
+  } catch (const cli::bad_argument& e) {
+    std::fprintf(stderr, "shardkit-plan: error: %s\n(see shardkit-plan --help)\n", e.what());
+    return 2;
+  }
+  if (o.help) {
+    std::fputs(usage, stdout);
+    return 0;
+  }
+#if defined(SHARDKIT_PLAN_MPI)
+  const bool under_mpi = shardkit::launched_by_mpi();
+#else
+  const bool under_mpi = false;
+#endif
+  if (o.comm.empty()) o.comm = under_mpi ? "mpi" : "thread";
+  if (o.comm == "mpi") {
+#if defined(SHARDKIT_PLAN_MPI)
+    if (!under_mpi) {
+      std::fprintf(stderr,
+                   "shardkit-plan: error: --comm mpi: not started by an MPI launcher; "
+                   "expected mpiexec -np N shardkit-plan --calibrate\n");
+      return 2;
+    }
+    return calibrate_mpi(argc, argv, o);
+#else
+    std::fprintf(stderr,
+                 "shardkit-plan: error: --comm mpi: this shardkit-plan was built without "
+                 "MPI (shardkit::mpi); expected --comm thread\n");
+    return 2;
+#endif
+  }
+  try {
+    const int n = static_cast<int>(o.ranks);
+    const auto results = shardkit::run_ranks(
+        n, [&](shardkit::thread_comm& comm) { return plan::measure_collectives(comm, o.sweep); });
+    return print_calibration(results[0], "thread", o.ranks, o.sweep);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shardkit-plan: error: %s\n", e.what());
+    return 1;
+  }
+}
+
+}  // namespace shardkit_plan

@@ -1,0 +1,209 @@
+//! \file comm/timed.hpp
+//! `timed_comm<C>`: a Communicator that forwards every call to a communicator C it owns and
+//! adds up the host seconds spent inside them, per kind of collective. Use it to measure what a
+//! training step spends in communication (engine<timed_comm<thread_comm>, ...> works like
+//! engine<thread_comm, ...>), e.g. to check plan/time.hpp's predictions:
+//!
+//!     shardkit::timed_comm<shardkit::thread_comm> comm(std::move(endpoint));
+//!     shardkit::engine<decltype(comm), shardkit::zero2> e(comm, model);
+//!     ... e.step(); ...
+//!     double s = comm.timing().total_seconds();   // seconds inside collectives on this rank
+//!
+//! What is counted: the wall time of every synchronous call from entry to return, and for an
+//! asynchronous collective the time to issue it plus the time its work handle spends in wait()
+//! and test(). That is the time the calling thread was blocked on communication ("exposed"
+//! communication); an asynchronous collective that finished while the caller did other work
+//! adds only its issue time. Calls are counted when issued. Communicators made by split() share
+//! the parent's timing (one total for a rank, whatever group a collective ran on).
+//!
+//! Like the endpoint it wraps, a timed_comm is used by one thread at a time; the timing is not
+//! atomic. Overhead: two steady_clock reads per call.
+#pragma once
+
+#include <shardkit/comm/communicator.hpp>
+#include <shardkit/config.hpp>
+#include <shardkit/core/ledger.hpp>
+#include <shardkit/core/reduce_op.hpp>
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <utility>
+
+SHARDKIT_NAMESPACE_BEGIN
+
+//! Seconds and calls per kind of collective (indexed by `collective`).
+struct comm_timing {
+  static constexpr std::size_t kinds = collective_count;
+  std::array<double, kinds> seconds{};
+  std::array<std::uint64_t, kinds> calls{};
+
+  double seconds_of(collective c) const noexcept { return seconds[index(c)]; }
+  std::uint64_t calls_of(collective c) const noexcept { return calls[index(c)]; }
+  double total_seconds() const noexcept {
+    double s = 0;
+    for (const double x : seconds) s += x;
+    return s;
+  }
+  std::uint64_t total_calls() const noexcept {
+    std::uint64_t n = 0;
+    for (const auto x : calls) n += x;
+    return n;
+  }
+  void reset() noexcept {
+    seconds.fill(0.0);
+    calls.fill(0);
+  }
+  static constexpr std::size_t index(collective c) noexcept {
+    const auto i = static_cast<std::size_t>(c);
+    return i < kinds ? i : kinds - 1;
+  }
+};
+
+namespace detail {
+//! Adds the seconds of its lifetime to one kind of `comm_timing`.
+class timing_scope {
+ public:
+  timing_scope(comm_timing& t, collective c) noexcept
+      : t_(t), i_(comm_timing::index(c)), t0_(std::chrono::steady_clock::now()) {}
+  timing_scope(const timing_scope&) = delete;
+  timing_scope& operator=(const timing_scope&) = delete;
+  ~timing_scope() {
+    t_.seconds[i_] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+  }
+
+ private:
+  comm_timing& t_;
+  std::size_t i_;
+  std::chrono::steady_clock::time_point t0_;
+};
+}  // namespace detail
+
+template <communicator C>
+class timed_comm {
+ public:
+  using memory_space = typename C::memory_space;
+  using inner_type = C;
+
+  //! The work handle: the inner one, with wait() and test() timed.
+  class work_type {
+   public:
+    work_type(typename C::work_type w, std::shared_ptr<comm_timing> t, collective c)
+        : w_(std::move(w)), t_(std::move(t)), c_(c) {}
+    void wait() {
+      detail::timing_scope s(*t_, c_);
+      w_.wait();
+    }
+    bool test() {
+      detail::timing_scope s(*t_, c_);
+      return static_cast<bool>(w_.test());
+    }
+
+   private:
+    typename C::work_type w_;
+    std::shared_ptr<comm_timing> t_;
+    collective c_;
+  };
+
+  explicit timed_comm(C inner)
+      : inner_(std::move(inner)), timing_(std::make_shared<comm_timing>()) {}
+  timed_comm(C inner, std::shared_ptr<comm_timing> shared)
+      : inner_(std::move(inner)), timing_(std::move(shared)) {}
+
+  int rank() const { return inner_.rank(); }
+  int size() const { return inner_.size(); }
+
+  //! Seconds and calls so far (shared with the communicators split() made).
+  const comm_timing& timing() const noexcept { return *timing_; }
+  comm_timing& timing() noexcept { return *timing_; }
+  C& inner() noexcept { return inner_; }
+  const C& inner() const noexcept { return inner_; }
+
+  template <class T>
+  void all_reduce(const T* in, T* out, std::size_t n, reduce_op op = reduce_op::sum) {
+    auto s = scope(collective::all_reduce);
+    inner_.all_reduce(in, out, n, op);
+  }
+  template <class T>
+  void reduce_scatter(const T* in, T* out, std::size_t count, reduce_op op = reduce_op::sum) {
+    auto s = scope(collective::reduce_scatter);
+    inner_.reduce_scatter(in, out, count, op);
+  }
+  template <class T>
+  void all_gather(const T* in, T* out, std::size_t count) {
+    auto s = scope(collective::all_gather);
+    inner_.all_gather(in, out, count);
+  }
+  template <class T>
+  void broadcast(T* buf, std::size_t n, int root) {
+    auto s = scope(collective::broadcast);
+    inner_.broadcast(buf, n, root);
+  }
+  template <class T>
+  void all_to_all(const T* in, T* out, std::size_t count) requires requires(C& c) {
+    c.all_to_all(in, out, count);
+  }
+  {
+    auto s = scope(collective::all_to_all);
+    inner_.all_to_all(in, out, count);
+  }
+  void barrier() {
+    auto s = scope(collective::barrier);
+    inner_.barrier();
+  }
+
+  template <class T>
+  [[nodiscard]] work_type all_reduce_async(const T* in, T* out, std::size_t n,
+                                           reduce_op op = reduce_op::sum) {
+    return start(collective::all_reduce, [&] { return inner_.all_reduce_async(in, out, n, op); });
+  }
+  template <class T>
+  [[nodiscard]] work_type reduce_scatter_async(const T* in, T* out, std::size_t count,
+                                               reduce_op op = reduce_op::sum) {
+    return start(collective::reduce_scatter,
+                 [&] { return inner_.reduce_scatter_async(in, out, count, op); });
+  }
+  template <class T>
+  [[nodiscard]] work_type all_gather_async(const T* in, T* out, std::size_t count) {
+    return start(collective::all_gather, [&] { return inner_.all_gather_async(in, out, count); });
+  }
+  template <class T>
+  [[nodiscard]] work_type broadcast_async(T* buf, std::size_t n, int root) requires requires(C& c) {
+    c.broadcast_async(buf, n, root);
+  }
+  {
+    return start(collective::broadcast, [&] { return inner_.broadcast_async(buf, n, root); });
+  }
+
+  //! Collective, like C::split; the new communicator adds to this one's timing.
+  timed_comm split(int color, int key) { return timed_comm(inner_.split(color, key), timing_); }
+
+  const traffic_ledger& traffic() const noexcept { return inner_.traffic(); }
+  void reset_traffic() noexcept requires requires(C& c) { c.reset_traffic(); }
+  { inner_.reset_traffic(); }
+  //! Device communicators that order their work after a compute stream keep doing so.
+  template <class Stream>
+  void set_compute_stream(Stream s) requires requires(C& c) {
+    c.set_compute_stream(s);
+  }
+  { inner_.set_compute_stream(s); }
+
+ private:
+  detail::timing_scope scope(collective c) {
+    ++timing_->calls[comm_timing::index(c)];
+    return detail::timing_scope(*timing_, c);
+  }
+  template <class F>
+  work_type start(collective c, F&& issue) {
+    ++timing_->calls[comm_timing::index(c)];
+    detail::timing_scope s(*timing_, c);
+    return work_type(issue(), timing_, c);
+  }
+
+  C inner_;
+  std::shared_ptr<comm_timing> timing_;
+};
+
+SHARDKIT_NAMESPACE_END

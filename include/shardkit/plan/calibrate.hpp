@@ -1,0 +1,361 @@
+//! \file plan/calibrate.hpp
+//! Calibration of the alpha-beta model of plan/time.hpp against measurement: a least-squares fit
+//! of one link (α, bandwidth) to timed collectives, and a sweep that times them on any
+//! Communicator.
+//!
+//! **The fit.** time.hpp's flat-ring time of every collective is linear in (α, β):
+//!
+//!     t = a·α + b·β,   reduce-scatter, all-gather, all-to-all: a = P−1,  b = (P−1)·c·e
+//!                      all-reduce:                             a = 2(P−1), b = 2(P−1)·⌈n/P⌉·e
+//!                      broadcast:                              a = P−1,  b = n·e
+//!                      barrier:                                a = P−1,  b = 0
+//!
+//! (ring_coefficients()). Sizes of a sweep span four decades (4 KiB–64 MiB), and what the planner
+//! needs is a small *relative* error at every size, so the fit minimises the sum of squared
+//! relative errors Σ((a_i·α + b_i·β − t_i) / t_i)²: least squares with weights 1/t_i². An
+//! unweighted fit would let the largest sizes decide alone and could miss the latency of small
+//! messages by orders of magnitude. It is solved exactly (2×2 normal equations on columns scaled
+//! to unit norm).
+//!
+//! A negative α (the latency is below what the samples resolve, or noise) is not clamped
+//! silently: the fit is repeated with α fixed at 0 (the best β alone) and the result says so
+//! (`latency_fixed_at_zero`, with the unconstrained α in `unconstrained_latency_s`). A β that is
+//! not positive (times that do not grow with size) cannot be a bandwidth: calibration_error.
+//! Inputs are checked: every sample has P ≥ 2, a positive finite time, a known collective with
+//! bytes to move for a bandwidth term, and the samples have at least two distinct message sizes
+//! (b/a, the bytes of one ring step); otherwise α and β cannot be told apart.
+//!
+//! **The sweep.** calibrate(comm, options) is collective: every rank of `comm` calls it with the
+//! same options. For all-gather, reduce-scatter and all-reduce at buffer sizes from
+//! options.min_bytes to options.max_bytes (×4 each, elements of options.element, fp32 or bf16; the
+//! size is the whole array: all-gather's output, reduce-scatter's input, all-reduce's buffer), it
+//! runs options.warmup calls, then options.reps repetitions, each a barrier followed by `iters`
+//! back-to-back calls (more for small sizes, so a repetition moves at least options.bytes_per_rep);
+//! the time of a repetition is the slowest rank's (an all-reduce with max), and a sample's time is
+//! the median of the repetitions. Every rank returns the same samples and the same fit.
+//!
+//! What the fit absorbs: the model counts only messages and bytes; the communicator's own
+//! arithmetic (shardkit reduces on the host in rank order), copies and synchronisation land in
+//! α and β. That is what makes the calibrated model predict this communicator, and also why a
+//! calibration is only valid for the communicator, rank count and machine it was measured on.
+#pragma once
+
+#include <shardkit/comm/communicator.hpp>
+#include <shardkit/config.hpp>
+#include <shardkit/core/dtype.hpp>
+#include <shardkit/core/error.hpp>
+#include <shardkit/core/ledger.hpp>
+#include <shardkit/core/reduce_op.hpp>
+#include <shardkit/plan/time.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+SHARDKIT_NAMESPACE_BEGIN
+namespace plan {
+
+//! A calibration input that cannot be fitted; the message says what was wrong and what was
+//! expected.
+class calibration_error : public invalid_argument {
+ public:
+  using invalid_argument::invalid_argument;
+};
+
+//! One timed collective: `count` elements of `elem_bytes` bytes on `ranks` ranks took `seconds`
+//! (count as in collective_time: per rank for reduce-scatter/all-gather/all-to-all, the whole
+//! array for all-reduce/broadcast).
+struct calibration_sample {
+  collective op = collective::all_reduce;
+  std::uint64_t count = 0;
+  std::uint64_t elem_bytes = 4;
+  std::uint64_t ranks = 2;
+  double seconds = 0.0;
+};
+
+//! The coefficients of α and β in time.hpp's flat-ring time of one collective: t = a·α + b·β.
+struct ring_terms {
+  double a = 0.0;  //!< messages in sequence (ring steps)
+  double b = 0.0;  //!< bytes in sequence (bytes of all ring steps)
+};
+
+constexpr ring_terms ring_coefficients(collective op, std::uint64_t count, std::uint64_t e,
+                                       std::uint64_t p) noexcept {
+  if (p <= 1) return {};
+  const double steps = static_cast<double>(p - 1);
+  switch (op) {
+    case collective::reduce_scatter:
+    case collective::all_gather:
+    case collective::all_to_all:
+      return {steps, steps * static_cast<double>(count * e)};
+    case collective::all_reduce:
+      return {2.0 * steps, 2.0 * steps * static_cast<double>(detail::ceil_div(count, p) * e)};
+    case collective::broadcast:
+      return {steps, static_cast<double>(count * e)};
+    case collective::barrier:
+      return {steps, 0.0};
+  }
+  return {};
+}
+
+//! The fitted link and how well it explains the samples.
+struct link_fit {
+  link fitted;                         //!< α and bandwidth (1/β)
+  bool latency_fixed_at_zero = false;  //!< the unconstrained α was negative: refitted with α = 0
+  double unconstrained_latency_s = 0;  //!< α of the two-parameter fit (negative when fixed)
+  double max_rel_error = 0;            //!< max over samples of |model − measured| / measured
+  double rms_rel_error = 0;            //!< root mean square of the relative errors
+  std::vector<double> model_seconds;   //!< the fitted model's time of each sample, in order
+};
+
+namespace detail {
+inline std::string describe_sample(std::size_t i, const calibration_sample& s) {
+  return shardkit::detail::concat("sample ", i, " (", name(s.op), ", count ", s.count, ", ",
+                                  s.elem_bytes, "-byte elements, ", s.ranks, " ranks, ", s.seconds,
+                                  " s)");
+}
+}  // namespace detail
+
+//! Least-squares fit of (α, β) to `samples`, weighted by 1/t² (relative errors; see the file
+//! comment). Throws calibration_error naming the sample and what was expected when the samples
+//! cannot determine a link.
+inline link_fit fit_link(std::span<const calibration_sample> samples) {
+  using detail::describe_sample;
+  if (samples.size() < 2) {
+    shardkit::detail::raise<calibration_error>(
+        "fit_link: ", samples.size(), " sample(s); expected at least 2 with different sizes");
+  }
+  std::vector<ring_terms> terms;
+  terms.reserve(samples.size());
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const auto& s = samples[i];
+    if (s.ranks < 2) {
+      shardkit::detail::raise<calibration_error>(
+          "fit_link: ", describe_sample(i, s), " has ", s.ranks,
+          " rank(s); expected at least 2 (one rank sends nothing)");
+    }
+    if (!(s.seconds > 0) || !std::isfinite(s.seconds)) {
+      shardkit::detail::raise<calibration_error>(
+          "fit_link: ", describe_sample(i, s),
+          " has a time that is not a positive finite number of "
+          "seconds");
+    }
+    if (s.op == collective::barrier || s.count == 0 || s.elem_bytes == 0) {
+      shardkit::detail::raise<calibration_error>(
+          "fit_link: ", describe_sample(i, s),
+          " moves no bytes; expected an all-gather, reduce-scatter, "
+          "all-reduce, all-to-all or broadcast of at least 1 element");
+    }
+    terms.push_back(ring_coefficients(s.op, s.count, s.elem_bytes, s.ranks));
+  }
+  // At least two distinct message sizes (bytes per ring step, b/a), or α and β are collinear.
+  const double first = terms[0].b / terms[0].a;
+  const bool distinct = std::any_of(terms.begin(), terms.end(), [&](const ring_terms& t) {
+    return std::abs(t.b / t.a - first) > 1e-9 * first;
+  });
+  if (!distinct) {
+    shardkit::detail::raise<calibration_error>(
+        "fit_link: every sample has the same message size (", first,
+        " bytes per ring step); expected at least 2 distinct sizes to tell latency from "
+        "bandwidth");
+  }
+  // Rows (a_i/t_i, b_i/t_i) against 1: ordinary least squares on the relative errors. Columns
+  // scaled to unit norm (a is ~1, b up to ~1e8) before solving the 2x2 normal equations.
+  double na = 0, nb = 0;
+  for (std::size_t i = 0; i < terms.size(); ++i) {
+    const double t = samples[i].seconds;
+    na += (terms[i].a / t) * (terms[i].a / t);
+    nb += (terms[i].b / t) * (terms[i].b / t);
+  }
+  na = std::sqrt(na);
+  nb = std::sqrt(nb);
+  double saa = 0, sab = 0, sbb = 0, sa1 = 0, sb1 = 0;
+  for (std::size_t i = 0; i < terms.size(); ++i) {
+    const double t = samples[i].seconds;
+    const double xa = terms[i].a / t / na, xb = terms[i].b / t / nb;
+    saa += xa * xa;
+    sab += xa * xb;
+    sbb += xb * xb;
+    sa1 += xa;
+    sb1 += xb;
+  }
+  const double det = saa * sbb - sab * sab;
+  link_fit r;
+  double alpha = 0, beta = 0;
+  if (det > 1e-14) {
+    alpha = (sbb * sa1 - sab * sb1) / det / na;
+    beta = (saa * sb1 - sab * sa1) / det / nb;
+  } else {  // numerically collinear
+    shardkit::detail::raise<calibration_error>(
+        "fit_link: the message sizes are too close to tell latency from bandwidth; expected "
+        "sizes that differ by a factor of at least 2 or so");
+  }
+  r.unconstrained_latency_s = alpha;
+  if (alpha < 0) {  // the best fit with α = 0: β = Σ x_b / Σ x_b² (scaled)
+    r.latency_fixed_at_zero = true;
+    alpha = 0;
+    beta = sb1 / sbb / nb;
+  }
+  if (!(beta > 0) || !std::isfinite(beta)) {
+    shardkit::detail::raise<calibration_error>(
+        "fit_link: the fitted time per byte is ", beta,
+        " s, not positive: the measured times do not grow with size; expected samples whose "
+        "time increases with the bytes moved (check the sizes and the timer)");
+  }
+  r.fitted = link{alpha, 1.0 / beta};
+  double sq = 0;
+  r.model_seconds.reserve(terms.size());
+  for (std::size_t i = 0; i < terms.size(); ++i) {
+    const double m = terms[i].a * alpha + terms[i].b * beta;
+    const double rel = std::abs(m - samples[i].seconds) / samples[i].seconds;
+    r.model_seconds.push_back(m);
+    r.max_rel_error = std::max(r.max_rel_error, rel);
+    sq += rel * rel;
+  }
+  r.rms_rel_error = std::sqrt(sq / static_cast<double>(terms.size()));
+  return r;
+}
+
+//! What calibrate() times.
+struct sweep_options {
+  std::size_t min_bytes = 4096;                   //!< smallest buffer, bytes (whole array)
+  std::size_t max_bytes = std::size_t{16} << 20;  //!< largest buffer, bytes
+  int reps = 5;                                   //!< repetitions per size (median taken), ≥ 1
+  int warmup = 1;                                 //!< untimed calls per size before the repetitions
+  std::size_t bytes_per_rep = std::size_t{1} << 20;  //!< small sizes repeat until this many bytes
+  int max_iters = 64;                                //!< most calls in one repetition
+  //! Element type of the buffers: fp32 or bf16. Use the gradients' type of the steps to be
+  //! predicted: a host communicator's reduction costs more per byte in bf16 (fp32 accumulation
+  //! and rounding) than in fp32, and the fit charges that to β.
+  dtype element = dtype::f32;
+};
+
+//! The samples of a sweep and their fit.
+struct calibration {
+  std::vector<calibration_sample> samples;
+  link_fit fit;
+};
+
+//! Raises calibration_error unless `o` describes a sweep (named per field).
+inline void check(const sweep_options& o, int rank) {
+  if (o.element != dtype::f32 && o.element != dtype::bf16) {
+    shardkit::detail::raise<calibration_error>("calibrate (rank ", rank, "): element type ",
+                                               name(o.element), "; expected fp32 or bf16");
+  }
+  if (o.min_bytes < 4) {
+    shardkit::detail::raise<calibration_error>("calibrate (rank ", rank, "): min_bytes ",
+                                               o.min_bytes,
+                                               " is below one fp32 element; expected at least 4");
+  }
+  if (o.max_bytes < 4 * o.min_bytes) {
+    shardkit::detail::raise<calibration_error>(
+        "calibrate (rank ", rank, "): max_bytes ", o.max_bytes, " is less than 4 x min_bytes ",
+        o.min_bytes, "; expected at least two sizes (x4 apart)");
+  }
+  if (o.reps < 1 || o.warmup < 0 || o.max_iters < 1) {
+    shardkit::detail::raise<calibration_error>("calibrate (rank ", rank, "): reps ", o.reps,
+                                               ", warmup ", o.warmup, ", max_iters ", o.max_iters,
+                                               "; expected reps >= 1, warmup >= 0, max_iters >= 1");
+  }
+}
+
+namespace detail {
+template <class T, class Comm>
+std::vector<calibration_sample> sweep(Comm& comm, const sweep_options& o);
+}  // namespace detail
+
+//! Times all-gather, reduce-scatter and all-reduce on `comm` (see the file comment): the samples
+//! of calibrate(), unfitted. Collective: every rank calls it with the same options; every rank
+//! returns the same samples. Throws calibration_error on a communicator of one rank.
+template <communicator Comm>
+std::vector<calibration_sample> measure_collectives(Comm& comm, const sweep_options& o = {}) {
+  static_assert(host_accessible<typename Comm::memory_space>,
+                "plan::calibrate: the sweep's buffers are host memory; calibrate a device "
+                "communicator with its own timing");
+  const int P = comm.size();
+  check(o, comm.rank());
+  if (P < 2) {
+    shardkit::detail::raise<calibration_error>("calibrate (rank ", comm.rank(),
+                                               "): the communicator has ", P,
+                                               " rank; expected at least 2");
+  }
+  if (o.element == dtype::bf16) return detail::sweep<bf16>(comm, o);
+  return detail::sweep<float>(comm, o);
+}
+
+namespace detail {
+template <class T, class Comm>
+std::vector<calibration_sample> sweep(Comm& comm, const sweep_options& o) {
+  const int P = comm.size();
+  const auto p = static_cast<std::size_t>(P);
+  // Element counts: whole arrays that P divides, so every rank's slice is the same.
+  std::vector<std::size_t> sizes;
+  for (std::size_t b = o.min_bytes; b <= o.max_bytes; b *= 4) {
+    const std::size_t n = std::max<std::size_t>(p, (b / sizeof(T)) / p * p);
+    if (sizes.empty() || n != sizes.back()) sizes.push_back(n);
+  }
+  const std::size_t largest = sizes.back();
+  std::vector<T> in(largest, T(1.0f)), out(largest, T(0.0f));
+
+  auto run = [&](collective op, std::size_t n) {
+    switch (op) {
+      case collective::all_gather:
+        comm.all_gather(in.data(), out.data(), n / p);
+        break;
+      case collective::reduce_scatter:
+        comm.reduce_scatter(in.data(), out.data(), n / p, reduce_op::sum);
+        break;
+      default:
+        comm.all_reduce(in.data(), out.data(), n, reduce_op::sum);
+        break;
+    }
+  };
+  std::vector<calibration_sample> samples;
+  const collective ops[] = {collective::all_gather, collective::reduce_scatter,
+                            collective::all_reduce};
+  for (const collective op : ops) {
+    for (const std::size_t n : sizes) {
+      const std::size_t bytes = n * sizeof(T);
+      const int iters = static_cast<int>(std::clamp<std::size_t>(
+          o.bytes_per_rep / bytes, 1, static_cast<std::size_t>(o.max_iters)));
+      for (int w = 0; w < o.warmup; ++w) run(op, n);
+      std::vector<double> reps;
+      for (int rep = 0; rep < o.reps; ++rep) {
+        comm.barrier();
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < iters; ++i) run(op, n);
+        double s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+        comm.all_reduce(&s, &s, 1, reduce_op::max);  // the slowest rank's time
+        reps.push_back(s);
+      }
+      std::sort(reps.begin(), reps.end());
+      const double median = reps.size() % 2 == 1
+                                ? reps[reps.size() / 2]
+                                : 0.5 * (reps[reps.size() / 2 - 1] + reps[reps.size() / 2]);
+      const std::uint64_t count = op == collective::all_reduce ? n : n / p;
+      samples.push_back({op, count, sizeof(T), static_cast<std::uint64_t>(P), median});
+    }
+  }
+  return samples;
+}
+}  // namespace detail
+
+//! measure_collectives(comm, o) and its fit_link(). Collective; every rank returns the same
+//! result, or throws the same calibration_error when the samples cannot be fitted (e.g. times
+//! that do not grow with size on a loaded machine).
+template <communicator Comm>
+calibration calibrate(Comm& comm, const sweep_options& o = {}) {
+  calibration c;
+  c.samples = measure_collectives(comm, o);
+  c.fit = fit_link(c.samples);
+  return c;
+}
+
+}  // namespace plan
+SHARDKIT_NAMESPACE_END

@@ -1,0 +1,269 @@
+// The calibration of the time model (plan/calibrate.hpp): the fit recovers α and β from times
+// the model itself computes, stays close under noise, names what is wrong with bad samples, and
+// the sweep runs on the thread communicator; the flags shardkit-plan --calibrate prints parse
+// back (examples/shardkit-plan/calibrate.hpp); timed_comm forwards and counts.
+#include <shardkit/comm/thread.hpp>
+#include <shardkit/comm/timed.hpp>
+#include <shardkit/plan/calibrate.hpp>
+
+#include "shardkit-plan/calibrate.hpp"
+#include "shardkit-plan/parse.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace plan = shardkit::plan;
+using Catch::Contains;
+using shardkit::collective;
+
+namespace {
+
+// Samples whose times are time.hpp's own flat-ring formula on one link.
+std::vector<plan::calibration_sample> model_samples(const plan::link& l,
+                                                    std::vector<std::uint64_t> ranks) {
+  std::vector<plan::calibration_sample> out;
+  plan::cluster c;
+  c.gpus_per_node = 1024;
+  c.intra = l;
+  for (const std::uint64_t P : ranks) {
+    for (const collective op :
+         {collective::all_gather, collective::reduce_scatter, collective::all_reduce}) {
+      for (std::uint64_t bytes = 4096; bytes <= (std::uint64_t{64} << 20); bytes *= 4) {
+        const std::uint64_t n = bytes / 2;  // bf16 elements of the whole array
+        const std::uint64_t count = op == collective::all_reduce ? n : n / P;
+        const double t = plan::collective_time(op, count, 2, plan::placement{P, P}, c);
+        out.push_back({op, count, 2, P, t});
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("calibrate: ring_coefficients are time.hpp's ring formula") {
+  const plan::link l{3.7e-6, 12.5e9};
+  plan::cluster c;
+  c.gpus_per_node = 64;
+  c.intra = l;
+  for (const collective op :
+       {collective::all_gather, collective::reduce_scatter, collective::all_reduce,
+        collective::all_to_all, collective::broadcast, collective::barrier}) {
+    for (const std::uint64_t P : {2u, 3u, 4u, 8u}) {
+      for (const std::uint64_t n : {1u, 7u, 1000u, 1u << 20}) {
+        const auto t = plan::ring_coefficients(op, n, 4, P);
+        const double want = plan::collective_time(op, n, 4, plan::placement{P, P}, c);
+        CHECK(t.a * l.latency_s + t.b / l.bytes_per_s == Approx(want).epsilon(1e-12));
+      }
+    }
+  }
+}
+
+TEST_CASE("calibrate: the fit recovers alpha and beta exactly from the model's own times") {
+  for (const plan::link l :
+       {plan::link{5e-6, 450e9}, plan::link{2.5e-5, 3e9}, plan::link{1e-7, 80e9}}) {
+    for (const auto& ranks : {std::vector<std::uint64_t>{2}, std::vector<std::uint64_t>{4},
+                              std::vector<std::uint64_t>{2, 3, 8}}) {
+      const auto s = model_samples(l, ranks);
+      const plan::link_fit f = plan::fit_link(s);
+      CHECK_FALSE(f.latency_fixed_at_zero);
+      CHECK(f.fitted.latency_s == Approx(l.latency_s).epsilon(1e-9));
+      CHECK(f.fitted.bytes_per_s == Approx(l.bytes_per_s).epsilon(1e-9));
+      CHECK(f.max_rel_error < 1e-9);
+      REQUIRE(f.model_seconds.size() == s.size());
+      for (std::size_t i = 0; i < s.size(); ++i) {
+        CHECK(f.model_seconds[i] == Approx(s[i].seconds).epsilon(1e-9));
+      }
+    }
+  }
+}
+
+TEST_CASE("calibrate: with 5% multiplicative noise the fit stays within 10%") {
+  const plan::link l{8e-6, 20e9};
+  std::mt19937 rng(42);
+  std::uniform_real_distribution<double> noise(0.95, 1.05);
+  for (int trial = 0; trial < 20; ++trial) {
+    auto s = model_samples(l, {4});
+    for (auto& x : s) x.seconds *= noise(rng);
+    const plan::link_fit f = plan::fit_link(s);
+    CHECK(f.fitted.latency_s == Approx(l.latency_s).epsilon(0.10));
+    CHECK(f.fitted.bytes_per_s == Approx(l.bytes_per_s).epsilon(0.10));
+    CHECK(f.max_rel_error < 0.12);
+    CHECK(f.rms_rel_error <= f.max_rel_error);
+  }
+}
+
+TEST_CASE("calibrate: a negative alpha is refitted with alpha = 0 and reported") {
+  // Pure bandwidth with a little less time at the small sizes: the unconstrained α is < 0.
+  std::vector<plan::calibration_sample> s;
+  for (std::uint64_t n = 1024; n <= (1u << 22); n *= 4) {
+    const double t = 2.0 * static_cast<double>(n) * 4 / 10e9 * (n < 8192 ? 0.7 : 1.0);
+    s.push_back({collective::all_gather, n, 4, 3, t});
+  }
+  const plan::link_fit f = plan::fit_link(s);
+  CHECK(f.latency_fixed_at_zero);
+  CHECK(f.unconstrained_latency_s < 0);
+  CHECK(f.fitted.latency_s == 0);
+  CHECK(f.fitted.bytes_per_s > 0);
+  CHECK(f.max_rel_error > 0);
+}
+
+TEST_CASE("calibrate: samples that cannot be fitted are named, with what was expected") {
+  using S = plan::calibration_sample;
+  const S ok1{collective::all_reduce, 1024, 4, 2, 1e-5};
+  const S ok2{collective::all_reduce, 1 << 20, 4, 2, 1e-3};
+  auto fit = [](std::vector<S> v) { return plan::fit_link(v); };
+  CHECK_THROWS_AS(fit({ok1}), plan::calibration_error);
+  CHECK_THROWS_WITH(fit({ok1}), Contains("1 sample(s); expected at least 2 with different sizes"));
+  CHECK_THROWS_WITH(fit({ok1, ok1, ok1}), Contains("every sample has the same message size") &&
+                                              Contains("expected at least 2 distinct sizes"));
+  CHECK_THROWS_WITH(
+      fit({ok1, S{collective::all_reduce, 1 << 20, 4, 1, 1e-3}}),
+      Contains("sample 1 (all_reduce") && Contains("has 1 rank(s); expected at least 2"));
+  CHECK_THROWS_WITH(fit({ok1, S{collective::all_gather, 1 << 20, 4, 2, 0.0}}),
+                    Contains("sample 1") && Contains("not a positive finite number of seconds"));
+  CHECK_THROWS_WITH(fit({ok1, S{collective::all_gather, 1 << 20, 4, 2, -1.0}}),
+                    Contains("not a positive finite number of seconds"));
+  CHECK_THROWS_WITH(fit({ok1, S{collective::all_gather, 1 << 20, 4, 2, std::nan("")}}),
+                    Contains("not a positive finite number of seconds"));
+  CHECK_THROWS_WITH(fit({S{collective::barrier, 0, 4, 2, 1e-5}, ok2}),
+                    Contains("sample 0") && Contains("moves no bytes"));
+  // Times that fall with size: no bandwidth explains them.
+  CHECK_THROWS_WITH(fit({S{collective::all_reduce, 1024, 4, 2, 1e-3},
+                         S{collective::all_reduce, 1 << 20, 4, 2, 1e-5}}),
+                    Contains("not positive: the measured times do not grow with size"));
+  CHECK_NOTHROW(fit({ok1, ok2}));
+}
+
+TEST_CASE("calibrate: sweep options are checked") {
+  plan::sweep_options o;
+  o.max_bytes = o.min_bytes;
+  CHECK_THROWS_WITH(plan::check(o, 1),
+                    Contains("rank 1") && Contains("expected at least two sizes"));
+  o = {};
+  o.reps = 0;
+  CHECK_THROWS_WITH(plan::check(o, 0), Contains("expected reps >= 1"));
+}
+
+TEST_CASE("calibrate: the sweep over 2 thread ranks gives a positive, finite link") {
+  plan::sweep_options o;
+  // A short sweep, 4 KiB .. 4 MiB: with three decades of sizes the time per byte is positive
+  // even on a machine busy with builds (4 KiB .. 64 KiB alone was not, once).
+  o.max_bytes = 4 << 20;
+  o.reps = 3;
+  const auto results =
+      shardkit::run_ranks(2, [&](shardkit::thread_comm& comm) { return plan::calibrate(comm, o); });
+  REQUIRE(results.size() == 2);
+  const auto& c = results[0];
+  CHECK(c.samples.size() == 3 * 6);  // 3 collectives x {4, 16, 64, 256} KiB, {1, 4} MiB
+  for (const auto& s : c.samples) {
+    CHECK(s.ranks == 2);
+    CHECK(s.seconds > 0);
+  }
+  CHECK(std::isfinite(c.fit.fitted.latency_s));
+  CHECK(c.fit.fitted.latency_s >= 0);
+  CHECK(std::isfinite(c.fit.fitted.bytes_per_s));
+  CHECK(c.fit.fitted.bytes_per_s > 0);
+  // Every rank returns the same samples (the slowest rank's times).
+  for (std::size_t i = 0; i < c.samples.size(); ++i) {
+    CHECK(results[1].samples[i].seconds == c.samples[i].seconds);
+  }
+  // bf16 buffers: the same sizes in bytes, 2-byte elements.
+  o.element = shardkit::dtype::bf16;
+  const auto b = shardkit::run_ranks(
+      2, [&](shardkit::thread_comm& comm) { return plan::measure_collectives(comm, o); });
+  REQUIRE(b[0].size() == c.samples.size());
+  for (std::size_t i = 0; i < b[0].size(); ++i) {
+    CHECK(b[0][i].elem_bytes == 2);
+    CHECK(b[0][i].count == 2 * c.samples[i].count);
+    CHECK(b[0][i].seconds > 0);
+  }
+}
+
+TEST_CASE("calibrate: the sweep refuses a communicator of one rank") {
+  auto one = shardkit::run_ranks(1, [](shardkit::thread_comm& comm) {
+    try {
+      (void)plan::calibrate(comm);
+    } catch (const plan::calibration_error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  });
+  CHECK_THAT(one[0], Contains("rank 0") && Contains("has 1 rank; expected at least 2"));
+}
+
+TEST_CASE("shardkit-plan --calibrate: the printed flags parse back to the fitted link") {
+  for (const plan::link l : {plan::link{3.1e-6, 5.2e9}, plan::link{0, 450e9},
+                             plan::link{850e-9, 750e6}, plan::link{1.25e-3, 90e3}}) {
+    const std::string flags = shardkit_plan::calibration_flags(l, 4);
+    std::istringstream in(flags);
+    std::string flag, value;
+    double alpha = -1, bw = -1;
+    std::uint64_t gpn = 0;
+    while (in >> flag >> value) {
+      if (flag == "--gpus-per-node") gpn = cli::parse_count(flag, value);
+      if (flag == "--intra-alpha") alpha = cli::parse_duration(flag, value);
+      if (flag == "--intra-bw") bw = cli::parse_bandwidth(flag, value);
+    }
+    INFO(flags);
+    CHECK(gpn == 4);
+    CHECK(alpha == Approx(l.latency_s).epsilon(1e-3).margin(1e-15));
+    CHECK(bw == Approx(l.bytes_per_s).epsilon(1e-3));
+  }
+}
+
+TEST_CASE("shardkit-plan --calibrate: --max-bytes takes plain bytes or a unit") {
+  CHECK(shardkit_plan::parse_plain_or_unit_bytes("--max-bytes", "65536") == 65536);
+  CHECK(shardkit_plan::parse_plain_or_unit_bytes("--max-bytes", "1MiB") == (1u << 20));
+  CHECK(shardkit_plan::parse_plain_or_unit_bytes("--max-bytes", "16MB") == 16'000'000);
+  CHECK_THROWS_WITH(shardkit_plan::parse_plain_or_unit_bytes("--max-bytes", "1Mb"),
+                    Contains("unknown unit 'Mb'"));
+}
+
+TEST_CASE("timed_comm forwards every collective and counts its calls and seconds") {
+  using timed = shardkit::timed_comm<shardkit::thread_comm>;
+  static_assert(shardkit::communicator<timed>);
+  struct out {
+    std::vector<float> sum, gathered;
+    std::uint64_t calls_ar = 0, calls_ag = 0, calls_rs = 0, calls_total = 0;
+    double seconds = 0;
+    std::uint64_t bytes = 0;
+  };
+  const auto r = shardkit::run_ranks(2, [](shardkit::thread_comm& c) {
+    timed t(std::move(c));
+    out o;
+    std::vector<float> x(4, static_cast<float>(t.rank() + 1));
+    o.sum.resize(4);
+    t.all_reduce(x.data(), o.sum.data(), 4);
+    o.gathered.resize(8);
+    auto w = t.all_gather_async(x.data(), o.gathered.data(), 4);
+    w.wait();
+    std::vector<float> part(2);
+    t.reduce_scatter(x.data(), part.data(), 2);
+    timed sub = t.split(0, t.rank());  // shares the timing
+    sub.barrier();
+    o.calls_ar = t.timing().calls_of(collective::all_reduce);
+    o.calls_ag = t.timing().calls_of(collective::all_gather);
+    o.calls_rs = t.timing().calls_of(collective::reduce_scatter);
+    o.calls_total = t.timing().total_calls();
+    o.seconds = t.timing().total_seconds();
+    o.bytes = t.traffic().total_bytes_sent();
+    return o;
+  });
+  for (const auto& o : r) {
+    CHECK(o.sum == std::vector<float>(4, 3.0f));
+    CHECK(o.gathered == std::vector<float>{1, 1, 1, 1, 2, 2, 2, 2});
+    CHECK(o.calls_ar == 1);
+    CHECK(o.calls_ag == 1);
+    CHECK(o.calls_rs == 1);
+    CHECK(o.calls_total == 4);  // and the sub-communicator's barrier
+    CHECK(o.seconds > 0);
+    CHECK(o.bytes > 0);
+  }
+}
