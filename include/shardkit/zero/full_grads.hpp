@@ -82,7 +82,10 @@ class full_grads {
     }
     pieces_ = layout.pieces(mode == full_grads_reduction::all_reduce ? 0 : shard_index);
     [[maybe_unused]] auto on_stream = ops_.scope();
-    grads_ = buffer<Grad, memory_space>(layout.padded_numel(), ledger_, memory_category::grads);
+    // The optimizer reads the slices of pieces_: the first of them is staggered within a page
+    // (core/memory.hpp), apart from the other buffers the fused step streams through.
+    grads_ = buffer<Grad, memory_space>(layout.padded_numel(), ledger_, memory_category::grads,
+                                        pieces_.empty() ? 0 : pieces_.front().full_offset);
   }
 
   full_grads(const full_grads&) = delete;

@@ -59,8 +59,12 @@ class replicated_params {
                     layout.ranks(), " shards (expected 0 to ", layout.ranks() - 1, ")");
     }
     [[maybe_unused]] auto on_stream = ops_.scope();
+    // The optimizer writes this rank's slices: the first of them is staggered within a page
+    // (core/memory.hpp), apart from the other buffers the fused step streams through.
+    const auto mine = layout.pieces(shard_index);
     params_ = buffer<Working, memory_space>(layout.padded_numel(), ledger_,
-                                            memory_category::working_params);
+                                            memory_category::working_params,
+                                            mine.empty() ? 0 : mine.front().full_offset);
   }
 
   replicated_params(const replicated_params&) = delete;
