@@ -11,11 +11,13 @@
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace plan = shardkit::plan;
@@ -265,5 +267,45 @@ TEST_CASE("timed_comm forwards every collective and counts its calls and seconds
     CHECK(o.calls_total == 4);  // and the sub-communicator's barrier
     CHECK(o.seconds > 0);
     CHECK(o.bytes > 0);
+  }
+}
+
+TEST_CASE(
+    "timed_comm logs each call when asked: in issue order, an asynchronous one left at wait") {
+  using timed = shardkit::timed_comm<shardkit::thread_comm>;
+  struct out {
+    std::vector<shardkit::call_record> log;
+    double issued = 0, waited = 0;  // around the asynchronous call's issue and its wait()
+    std::size_t before_record = 0;
+  };
+  const auto r = shardkit::run_ranks(2, [](shardkit::thread_comm& c) {
+    timed t(std::move(c));
+    out o;
+    std::vector<float> x(4, 1.0f), y(8);
+    t.barrier();  // not recorded: record is off
+    o.before_record = t.timing().log.size();
+    t.timing().record = true;
+    t.all_reduce(x.data(), x.data(), 4);
+    auto w = t.all_gather_async(x.data(), y.data(), 4);
+    o.issued = shardkit::comm_timing::now();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    w.wait();
+    o.waited = shardkit::comm_timing::now();
+    t.reduce_scatter(y.data(), x.data(), 4);
+    o.log = t.timing().log;
+    return o;
+  });
+  for (const auto& o : r) {
+    CHECK(o.before_record == 0);
+    REQUIRE(o.log.size() == 3);
+    CHECK(o.log[0].kind == collective::all_reduce);
+    CHECK(o.log[1].kind == collective::all_gather);
+    CHECK(o.log[2].kind == collective::reduce_scatter);
+    for (std::size_t i = 0; i < 3; ++i) CHECK(o.log[i].entered <= o.log[i].left);
+    for (std::size_t i = 1; i < 3; ++i) CHECK(o.log[i - 1].left <= o.log[i].entered);
+    // the asynchronous all-gather is left when its wait() returned, after the 20 ms sleep
+    CHECK(o.log[1].entered <= o.issued);
+    CHECK(o.log[1].left >= o.issued + 0.019);
+    CHECK(o.log[1].left <= o.waited);
   }
 }

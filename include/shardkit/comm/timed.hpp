@@ -16,6 +16,11 @@
 //! adds only its issue time. Calls are counted when issued. Communicators made by split() share
 //! the parent's timing (one total for a rank, whatever group a collective ran on).
 //!
+//! With `timing().record` set, every call is also logged (call_record: when this rank entered
+//! and left it). Comparing the ranks' logs separates a collective's own time, from the last
+//! rank's arrival to its completion, from the time early ranks wait for late ones
+//! (benchmarks/time_model.cpp does so).
+//!
 //! Like the endpoint it wraps, a timed_comm is used by one thread at a time; the timing is not
 //! atomic. Overhead: two steady_clock reads per call.
 #pragma once
@@ -31,14 +36,28 @@
 #include <cstdint>
 #include <memory>
 #include <utility>
+#include <vector>
 
 SHARDKIT_NAMESPACE_BEGIN
 
-//! Seconds and calls per kind of collective (indexed by `collective`).
+//! One collective call as this rank saw it: when the rank entered it and when it left it (for an
+//! asynchronous one: when it was issued, and when wait() or a successful test() returned), in
+//! seconds of std::chrono::steady_clock. Ranks of one process, or of one machine (whose steady
+//! clock is CLOCK_MONOTONIC, shared by every process), can compare these times directly.
+struct call_record {
+  collective kind = collective::barrier;
+  double entered = 0.0;
+  double left = 0.0;
+};
+
+//! Seconds and calls per kind of collective (indexed by `collective`), and, when `record` is
+//! set, one call_record per call in issue order.
 struct comm_timing {
   static constexpr std::size_t kinds = collective_count;
   std::array<double, kinds> seconds{};
   std::array<std::uint64_t, kinds> calls{};
+  bool record = false;           //!< append every call to `log`
+  std::vector<call_record> log;  //!< the calls since the last clear(), when `record` is set
 
   double seconds_of(collective c) const noexcept { return seconds[index(c)]; }
   std::uint64_t calls_of(collective c) const noexcept { return calls[index(c)]; }
@@ -55,6 +74,11 @@ struct comm_timing {
   void reset() noexcept {
     seconds.fill(0.0);
     calls.fill(0);
+    log.clear();
+  }
+  static double now() noexcept {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
   }
   static constexpr std::size_t index(collective c) noexcept {
     const auto i = static_cast<std::size_t>(c);
@@ -64,19 +88,28 @@ struct comm_timing {
 
 namespace detail {
 //! Adds the seconds of its lifetime to one kind of `comm_timing`.
+//! With `record` (an index into t.log, or npos), also stamps that record's `left` at the end.
 class timing_scope {
  public:
-  timing_scope(comm_timing& t, collective c) noexcept
-      : t_(t), i_(comm_timing::index(c)), t0_(std::chrono::steady_clock::now()) {}
+  static constexpr std::size_t npos = static_cast<std::size_t>(-1);
+  timing_scope(comm_timing& t, collective c, std::size_t record = npos) noexcept
+      : t_(t), i_(comm_timing::index(c)), record_(record), t0_(std::chrono::steady_clock::now()) {}
   timing_scope(const timing_scope&) = delete;
   timing_scope& operator=(const timing_scope&) = delete;
   ~timing_scope() {
-    t_.seconds[i_] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    const auto t1 = std::chrono::steady_clock::now();
+    t_.seconds[i_] += std::chrono::duration<double>(t1 - t0_).count();
+    if (record_ != npos && record_ < t_.log.size()) {
+      t_.log[record_].left = std::chrono::duration<double>(t1.time_since_epoch()).count();
+    }
   }
+  //! Stops stamping a record (an asynchronous collective is left at its wait(), not its issue).
+  void release_record() noexcept { record_ = npos; }
 
  private:
   comm_timing& t_;
   std::size_t i_;
+  std::size_t record_;
   std::chrono::steady_clock::time_point t0_;
 };
 }  // namespace detail
@@ -90,21 +123,25 @@ class timed_comm {
   //! The work handle: the inner one, with wait() and test() timed.
   class work_type {
    public:
-    work_type(typename C::work_type w, std::shared_ptr<comm_timing> t, collective c)
-        : w_(std::move(w)), t_(std::move(t)), c_(c) {}
+    work_type(typename C::work_type w, std::shared_ptr<comm_timing> t, collective c,
+              std::size_t record = detail::timing_scope::npos)
+        : w_(std::move(w)), t_(std::move(t)), c_(c), record_(record) {}
     void wait() {
-      detail::timing_scope s(*t_, c_);
+      detail::timing_scope s(*t_, c_, record_);
       w_.wait();
     }
     bool test() {
-      detail::timing_scope s(*t_, c_);
-      return static_cast<bool>(w_.test());
+      detail::timing_scope s(*t_, c_, record_);
+      const bool done = static_cast<bool>(w_.test());
+      if (!done) s.release_record();
+      return done;
     }
 
    private:
     typename C::work_type w_;
     std::shared_ptr<comm_timing> t_;
     collective c_;
+    std::size_t record_;
   };
 
   explicit timed_comm(C inner)
@@ -191,15 +228,24 @@ class timed_comm {
   { inner_.set_compute_stream(s); }
 
  private:
+  // A new record of the call (when recording), stamped `entered` now.
+  std::size_t open_record(collective c) {
+    if (!timing_->record) return detail::timing_scope::npos;
+    const double t = comm_timing::now();
+    timing_->log.push_back(call_record{c, t, t});
+    return timing_->log.size() - 1;
+  }
   detail::timing_scope scope(collective c) {
     ++timing_->calls[comm_timing::index(c)];
-    return detail::timing_scope(*timing_, c);
+    return detail::timing_scope(*timing_, c, open_record(c));
   }
   template <class F>
   work_type start(collective c, F&& issue) {
     ++timing_->calls[comm_timing::index(c)];
-    detail::timing_scope s(*timing_, c);
-    return work_type(issue(), timing_, c);
+    const std::size_t record = open_record(c);
+    detail::timing_scope s(*timing_, c, record);
+    s.release_record();  // left at its wait()
+    return work_type(issue(), timing_, c, record);
   }
 
   C inner_;
