@@ -71,7 +71,8 @@ struct config {
   model_shape shape;
   std::vector<int> ranks{2, 4};
   int reps = 7;
-  plan::sweep_options sweep{.element = shardkit::dtype::bf16};  // the gradients' type
+  // the gradients' type; cache-cold buffers, as a step's collectives find theirs
+  plan::sweep_options sweep{.cold_bytes = std::size_t{256} << 20, .element = shardkit::dtype::bf16};
 };
 
 //! The measurements of one stage on one communicator (the same on every rank).
@@ -258,7 +259,7 @@ int report(const char* comm_name, int N, const config& c, const run_result& r) {
 [[noreturn]] void usage(const std::string& why) {
   throw std::invalid_argument(why +
                               "\nusage: shardkit_bench_time_model [--size=tiny|full] "
-                              "[--ranks 2,4] [--reps K] [--max-bytes B]");
+                              "[--ranks 2,4] [--reps K] [--max-bytes B] [--cold-bytes B]");
 }
 
 config parse(int argc, char** argv) {
@@ -270,6 +271,7 @@ config parse(int argc, char** argv) {
       c.reps = 3;
       c.sweep.max_bytes = 1 << 20;  // smaller sizes alone are noise on a busy machine
       c.sweep.reps = 3;
+      c.sweep.cold_bytes = 0;
       continue;
     }
     if (a == "--size=full") continue;
@@ -290,6 +292,8 @@ config parse(int argc, char** argv) {
     } else if (a == "--max-bytes") {
       c.sweep.max_bytes = static_cast<std::size_t>(std::strtoull(v.c_str(), nullptr, 10));
       if (c.sweep.max_bytes < 4 * c.sweep.min_bytes) usage("--max-bytes: expected at least 16384");
+    } else if (a == "--cold-bytes") {
+      c.sweep.cold_bytes = static_cast<std::size_t>(std::strtoull(v.c_str(), nullptr, 10));
     } else {
       usage("unknown argument '" + a + "'");
     }

@@ -3,6 +3,7 @@
 // as the flags to pass back to shardkit-plan, with a table of measured against fitted times.
 //
 //   shardkit-plan --calibrate [--comm thread|mpi] [--ranks N] [--max-bytes B] [--reps K]
+//                             [--dtype bf16|fp32] [--cold-bytes B]
 //   mpiexec -np 4 shardkit-plan --calibrate          (the MPI world; --comm mpi is the default
 //                                                     under an MPI launcher)
 //
@@ -35,7 +36,7 @@ namespace plan = shardkit::plan;
 constexpr const char* calibrate_usage_text =
     "\n"
     "usage: shardkit-plan --calibrate [--comm thread|mpi] [--ranks N] [--max-bytes B] [--reps K]\n"
-    "                          [--dtype bf16|fp32]\n"
+    "                          [--dtype bf16|fp32] [--cold-bytes B]\n"
     "  calibration (prints the cluster flags above, measured on this machine)\n"
     "    --calibrate           time all-gather, reduce-scatter and all-reduce on N ranks of one\n"
     "                          node and fit --intra-alpha and --intra-bw to them\n"
@@ -44,7 +45,10 @@ constexpr const char* calibrate_usage_text =
     "    --ranks N             in-process ranks to time (default 4; under MPI: the processes)\n"
     "    --max-bytes B         largest buffer timed (default 16MiB; from 4KiB, x4 apart)\n"
     "    --reps K              repetitions per size, median taken (default 5)\n"
-    "    --dtype bf16|fp32     element type timed, as the gradients (default bf16)\n";
+    "    --dtype bf16|fp32     element type timed, as the gradients (default bf16)\n"
+    "    --cold-bytes B        buffers per rank the calls take turns on, so that each finds\n"
+    "                          its data out of cache as a training step's do (default 256MiB;\n"
+    "                          0: one buffer reused, small sizes then time in cache)\n";
 
 //! Whether the command line asks for the calibration mode.
 inline bool wants_calibrate(int argc, char** argv) {
@@ -58,7 +62,7 @@ struct calibrate_options {
   std::string comm;  // "thread", "mpi" or empty (by launcher)
   std::uint64_t ranks = 4;
   bool ranks_given = false;
-  plan::sweep_options sweep;
+  plan::sweep_options sweep{.cold_bytes = std::size_t{256} << 20};
   bool help = false;
 };
 
@@ -80,12 +84,12 @@ inline calibrate_options parse_calibrate(int argc, char** argv) {
       o.help = true;
       return o;
     }
-    const bool valued =
-        a == "--comm" || a == "--ranks" || a == "--max-bytes" || a == "--reps" || a == "--dtype";
+    const bool valued = a == "--comm" || a == "--ranks" || a == "--max-bytes" || a == "--reps" ||
+                        a == "--dtype" || a == "--cold-bytes";
     if (!valued) {
       throw cli::bad_argument(
           "--calibrate: unknown argument '" + std::string(a) +
-          "'; expected --comm, --ranks, --max-bytes, --reps or --dtype (see --help)");
+          "'; expected --comm, --ranks, --max-bytes, --reps, --dtype or --cold-bytes (see --help)");
     }
     if (i + 1 >= argc) throw cli::bad_argument(std::string(a) + ": missing value (see --help)");
     const std::string_view v = argv[++i];
@@ -103,6 +107,10 @@ inline calibrate_options parse_calibrate(int argc, char** argv) {
         cli::fail(a, v, "must be 16KiB..1GiB (the sweep starts at 4KiB and needs two sizes)");
       }
       o.sweep.max_bytes = static_cast<std::size_t>(b);
+    } else if (a == "--cold-bytes") {
+      const std::uint64_t b = v == "0" ? 0 : parse_plain_or_unit_bytes(a, v);
+      if (b > (std::uint64_t{16} << 30)) cli::fail(a, v, "must be 0..16GiB");
+      o.sweep.cold_bytes = static_cast<std::size_t>(b);
     } else if (a == "--dtype") {
       o.sweep.element = cli::parse_dtype(a, v);
       if (o.sweep.element == shardkit::dtype::f16)

@@ -186,6 +186,17 @@ TEST_CASE("calibrate: the sweep over 2 thread ranks gives a positive, finite lin
     CHECK(b[0][i].count == 2 * c.samples[i].count);
     CHECK(b[0][i].seconds > 0);
   }
+  // Cache-cold buffers (the calls take turns on 8 pairs of 4 MiB): the same samples, timed.
+  o.cold_bytes = std::size_t{64} << 20;
+  const auto cold = shardkit::run_ranks(
+      2, [&](shardkit::thread_comm& comm) { return plan::measure_collectives(comm, o); });
+  REQUIRE(cold[0].size() == c.samples.size());
+  for (std::size_t i = 0; i < cold[0].size(); ++i) {
+    CHECK(cold[0][i].op == b[0][i].op);
+    CHECK(cold[0][i].count == b[0][i].count);
+    CHECK(cold[0][i].seconds > 0);
+    CHECK(cold[1][i].seconds == cold[0][i].seconds);
+  }
 }
 
 TEST_CASE("calibrate: the sweep refuses a communicator of one rank") {

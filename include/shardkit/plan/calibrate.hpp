@@ -32,7 +32,10 @@
 //! runs options.warmup calls, then options.reps repetitions, each a barrier followed by `iters`
 //! back-to-back calls (more for small sizes, so a repetition moves at least options.bytes_per_rep);
 //! the time of a repetition is the slowest rank's (an all-reduce with max), and a sample's time is
-//! the median of the repetitions. Every rank returns the same samples and the same fit.
+//! the median of the repetitions. Every rank returns the same samples and the same fit. With
+//! options.cold_bytes, the calls take turns on that many bytes of buffers, so that each finds its
+//! data out of cache, as the collectives of a training step do; calibrated on one reused buffer,
+//! the model predicted the engine benchmark's step 1.5–2.3× too fast on this project's machine.
 //!
 //! What the fit absorbs: the model counts only messages and bytes; the communicator's own
 //! arithmetic (shardkit reduces on the host in rank order), copies and synchronisation land in
@@ -229,6 +232,11 @@ struct sweep_options {
   int warmup = 1;                                 //!< untimed calls per size before the repetitions
   std::size_t bytes_per_rep = std::size_t{1} << 20;  //!< small sizes repeat until this many bytes
   int max_iters = 64;                                //!< most calls in one repetition
+  //! Buffers of at least this many bytes per rank, of which every call uses the next part
+  //! (largest size × 2, in and out), so that a call finds its data out of cache as a training
+  //! step's collectives do (the step streamed the optimizer's state in between). 0: one in and
+  //! one out buffer of the largest size, reused by every call (small sizes then run in cache).
+  std::size_t cold_bytes = 0;
   //! Element type of the buffers: fp32 or bf16. Use the gradients' type of the steps to be
   //! predicted: a host communicator's reduction costs more per byte in bf16 (fp32 accumulation
   //! and rounding) than in fp32, and the fit charges that to β.
@@ -300,18 +308,24 @@ std::vector<calibration_sample> sweep(Comm& comm, const sweep_options& o) {
     if (sizes.empty() || n != sizes.back()) sizes.push_back(n);
   }
   const std::size_t largest = sizes.back();
-  std::vector<T> in(largest, T(1.0f)), out(largest, T(0.0f));
+  // `slots` input/output pairs of `largest` elements, used in turn (cold_bytes: see
+  // sweep_options); one pair, always in cache for small sizes, without it.
+  const std::size_t pair_bytes = 2 * largest * sizeof(T);
+  const std::size_t slots = std::max<std::size_t>(1, (o.cold_bytes + pair_bytes - 1) / pair_bytes);
+  std::vector<T> in(slots * largest, T(1.0f)), out(slots * largest, T(0.0f));
+  std::size_t next = 0;
 
   auto run = [&](collective op, std::size_t n) {
+    const std::size_t at = (next++ % slots) * largest;
     switch (op) {
       case collective::all_gather:
-        comm.all_gather(in.data(), out.data(), n / p);
+        comm.all_gather(in.data() + at, out.data() + at, n / p);
         break;
       case collective::reduce_scatter:
-        comm.reduce_scatter(in.data(), out.data(), n / p, reduce_op::sum);
+        comm.reduce_scatter(in.data() + at, out.data() + at, n / p, reduce_op::sum);
         break;
       default:
-        comm.all_reduce(in.data(), out.data(), n, reduce_op::sum);
+        comm.all_reduce(in.data() + at, out.data() + at, n, reduce_op::sum);
         break;
     }
   };
