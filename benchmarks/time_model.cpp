@@ -217,8 +217,10 @@ std::string us(double s) {
 //! Prints one communicator's table; returns 1 when the calibration could not be fitted.
 int report(const char* comm_name, int N, const config& c, const run_result& r) {
   plan::link_fit fit;
+  plan::collective_fits per_op;
   try {
     fit = plan::fit_link(r.samples);
+    per_op = plan::fit_links_per_collective(r.samples);
   } catch (const plan::calibration_error& e) {
     std::printf("\n%s communicator, N = %d: calibration failed: %s\n", comm_name, N, e.what());
     return 1;
@@ -233,9 +235,19 @@ int report(const char* comm_name, int N, const config& c, const run_result& r) {
       "(max relative error of the fit %.1f%%%s)\n",
       comm_name, N, fit.fitted.latency_s * 1e6, fit.fitted.bytes_per_s / 1e9,
       100.0 * fit.max_rel_error, fit.latency_fixed_at_zero ? ", alpha fixed at 0" : "");
-  std::printf("  %-6s %12s %12s %12s %12s %9s %9s %7s %7s %14s %s\n", "stage", "predicted_us",
-              "own_us", "in_comm_us", "wall-opt_us", "pred/own", "pred/comm", "calls", "model",
-              "bytes_sent", "bytes");
+  plan::cluster cl_op = cl;  // one fitted link per collective
+  plan::set_per_collective_links(cl_op, per_op);
+  for (const auto& [nm, f] : {std::pair{"all_reduce", &per_op.all_reduce},
+                              std::pair{"reduce_scatter", &per_op.reduce_scatter},
+                              std::pair{"all_gather", &per_op.all_gather}}) {
+    if (!*f) continue;
+    std::printf("  %s alone: alpha %.3g us, bandwidth %.4g GB/s (max relative error %.1f%%)\n", nm,
+                (*f)->fitted.latency_s * 1e6, (*f)->fitted.bytes_per_s / 1e9,
+                100.0 * (*f)->max_rel_error);
+  }
+  std::printf("  %-6s %12s %12s %12s %12s %12s %9s %9s %9s %7s %7s %14s %s\n", "stage",
+              "predicted_us", "per_op_us", "own_us", "in_comm_us", "wall-opt_us", "pred/own",
+              "op/own", "op/comm", "calls", "model", "bytes_sent", "bytes");
   for (int st = 0; st < 4; ++st) {
     plan::setup s;
     s.stage = st;
@@ -243,11 +255,13 @@ int report(const char* comm_name, int N, const config& c, const run_result& r) {
     s.bytes = plan::precision_of(shardkit::dtype::bf16, shardkit::dtype::bf16,
                                  plan::optimizer_kind::adamw);
     const double predicted = plan::comm_time_per_step(s, units, cl);
+    const double predicted_op = plan::comm_time_per_step(s, units, cl_op);
     const plan::comm_bytes b = plan::bytes_sent_per_step(s, units, 0);
     const stage_result& m = r.stages[st];
-    std::printf("  %-6d %12s %12s %12s %12s %9.3f %9.3f %7llu %7llu %14llu %s\n", st,
-                us(predicted).c_str(), us(m.after_arrival).c_str(), us(m.in_comm).c_str(),
-                us(m.wall_opt).c_str(), predicted / m.after_arrival, predicted / m.in_comm,
+    std::printf("  %-6d %12s %12s %12s %12s %12s %9.3f %9.3f %9.3f %7llu %7llu %14llu %s\n", st,
+                us(predicted).c_str(), us(predicted_op).c_str(), us(m.after_arrival).c_str(),
+                us(m.in_comm).c_str(), us(m.wall_opt).c_str(), predicted / m.after_arrival,
+                predicted_op / m.after_arrival, predicted_op / m.in_comm,
                 static_cast<unsigned long long>(m.calls),
                 static_cast<unsigned long long>(b.calls()),
                 static_cast<unsigned long long>(m.bytes_sent),

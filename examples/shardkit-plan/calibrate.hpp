@@ -217,6 +217,22 @@ inline int print_calibration(const std::vector<plan::calibration_sample>& sample
     std::printf("note: the two-parameter fit gave a negative alpha (%s); refitted with alpha = 0\n",
                 human_time(f.unconstrained_latency_s).c_str());
   }
+  // One link per collective (plan::cluster::intra_all_reduce etc. in the library; the flags
+  // above carry the single link).
+  try {
+    const plan::collective_fits per = plan::fit_links_per_collective(samples);
+    for (const auto& [nm, one] : {std::pair{"all_reduce", &per.all_reduce},
+                                  std::pair{"reduce_scatter", &per.reduce_scatter},
+                                  std::pair{"all_gather", &per.all_gather}}) {
+      if (!*one) continue;
+      std::printf("  %s alone: alpha %s, bandwidth %s; max relative error %.1f%%\n", nm,
+                  format_duration_flag((*one)->fitted.latency_s).c_str(),
+                  format_bandwidth_flag((*one)->fitted.bytes_per_s).c_str(),
+                  100.0 * (*one)->max_rel_error);
+    }
+  } catch (const plan::calibration_error& e) {
+    std::printf("  per collective: %s\n", e.what());
+  }
   std::printf("flags for shardkit-plan (a node of %llu ranks like this one):\n  %s\n",
               static_cast<unsigned long long>(ranks), calibration_flags(f.fitted, ranks).c_str());
   return 0;

@@ -186,7 +186,7 @@ TEST_CASE("calibrate: the sweep over 2 thread ranks gives a positive, finite lin
     CHECK(b[0][i].count == 2 * c.samples[i].count);
     CHECK(b[0][i].seconds > 0);
   }
-  // Cache-cold buffers (the calls take turns on 8 pairs of 4 MiB): the same samples, timed.
+  // Cache-cold buffers (64 MiB that the calls walk through): the same samples, timed.
   o.cold_bytes = std::size_t{64} << 20;
   const auto cold = shardkit::run_ranks(
       2, [&](shardkit::thread_comm& comm) { return plan::measure_collectives(comm, o); });
@@ -319,4 +319,59 @@ TEST_CASE(
     CHECK(o.log[1].left >= o.issued + 0.019);
     CHECK(o.log[1].left <= o.waited);
   }
+}
+
+TEST_CASE("calibrate: one link per collective is recovered, and the time model uses it") {
+  // Samples of three collectives, each on a link of its own.
+  const plan::link ar{2e-6, 3e9}, rs{6e-6, 2.5e9}, ag{1e-6, 8e9};
+  std::vector<plan::calibration_sample> samples;
+  for (const auto& [op, l] :
+       {std::pair{collective::all_reduce, ar}, std::pair{collective::reduce_scatter, rs},
+        std::pair{collective::all_gather, ag}}) {
+    for (const auto& s : model_samples(l, {2, 4})) {
+      if (s.op == op) samples.push_back(s);
+    }
+  }
+  const plan::collective_fits f = plan::fit_links_per_collective(samples);
+  REQUIRE(f.all_reduce);
+  REQUIRE(f.reduce_scatter);
+  REQUIRE(f.all_gather);
+  CHECK(f.all_reduce->fitted.latency_s == Approx(ar.latency_s).epsilon(1e-9));
+  CHECK(f.all_reduce->fitted.bytes_per_s == Approx(ar.bytes_per_s).epsilon(1e-9));
+  CHECK(f.reduce_scatter->fitted.bytes_per_s == Approx(rs.bytes_per_s).epsilon(1e-9));
+  CHECK(f.all_gather->fitted.latency_s == Approx(ag.latency_s).epsilon(1e-9));
+  CHECK(f.all_gather->max_rel_error < 1e-9);
+  // One link for all three cannot explain them.
+  CHECK(plan::fit_link(samples).max_rel_error > 0.1);
+
+  plan::cluster c;
+  c.gpus_per_node = 4;
+  c.intra = {5e-6, 1e9};
+  plan::cluster per = c;
+  plan::set_per_collective_links(per, f);
+  const plan::placement node{4, 4};
+  for (const auto& [op, l] :
+       {std::pair{collective::all_reduce, ar}, std::pair{collective::reduce_scatter, rs},
+        std::pair{collective::all_gather, ag}}) {
+    plan::cluster only = c;
+    only.intra = l;
+    CHECK(plan::collective_time(op, 1 << 20, 2, node, per) ==
+          Approx(plan::collective_time(op, 1 << 20, 2, node, only)).epsilon(1e-9));
+  }
+  // Collectives without a link of their own keep `intra`.
+  CHECK(plan::collective_time(collective::broadcast, 1 << 20, 2, node, per) ==
+        plan::collective_time(collective::broadcast, 1 << 20, 2, node, c));
+  // A measured link with no bandwidth is refused like `intra`'s.
+  plan::setup s;
+  s.ranks = 4;
+  per.intra_all_gather = plan::link{1e-6, 0.0};
+  CHECK(plan::placement_problem(s, per) != nullptr);
+  // Samples of one collective alone that cannot be fitted are named by collective.
+  std::vector<plan::calibration_sample> one_size;
+  for (const auto& x : samples) {
+    if (x.op != collective::all_gather ||
+        (x.ranks == 2 && x.count * x.elem_bytes * x.ranks == 4096))
+      one_size.push_back(x);
+  }
+  CHECK_THROWS_WITH(plan::fit_links_per_collective(one_size), Contains("all_gather"));
 }

@@ -56,6 +56,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -224,6 +225,45 @@ inline link_fit fit_link(std::span<const calibration_sample> samples) {
   return r;
 }
 
+//! One fitted link per collective: fit_link over the samples of each of all-reduce,
+//! reduce-scatter and all-gather on its own (unset: no samples of it). A communicator whose
+//! collectives are not all rings of one link (the thread communicator's one-pass all-reduce)
+//! fits one link badly and these well; cluster::intra_all_reduce etc. take them
+//! (set_per_collective_links). Throws calibration_error as fit_link does, naming the collective.
+struct collective_fits {
+  std::optional<link_fit> all_reduce, reduce_scatter, all_gather;
+};
+
+inline collective_fits fit_links_per_collective(std::span<const calibration_sample> samples) {
+  collective_fits f;
+  for (const collective op :
+       {collective::all_reduce, collective::reduce_scatter, collective::all_gather}) {
+    std::vector<calibration_sample> mine;
+    for (const auto& s : samples) {
+      if (s.op == op) mine.push_back(s);
+    }
+    if (mine.empty()) continue;
+    link_fit r;
+    try {
+      r = fit_link(mine);
+    } catch (const calibration_error& e) {
+      shardkit::detail::raise<calibration_error>("the ", name(op), " samples alone: ", e.what());
+    }
+    (op == collective::all_reduce       ? f.all_reduce
+     : op == collective::reduce_scatter ? f.reduce_scatter
+                                        : f.all_gather) = std::move(r);
+  }
+  return f;
+}
+
+//! Makes `c` use the links of `f` inside a node, collective by collective (the others keep
+//! c.intra).
+inline void set_per_collective_links(cluster& c, const collective_fits& f) {
+  if (f.all_reduce) c.intra_all_reduce = f.all_reduce->fitted;
+  if (f.reduce_scatter) c.intra_reduce_scatter = f.reduce_scatter->fitted;
+  if (f.all_gather) c.intra_all_gather = f.all_gather->fitted;
+}
+
 //! What calibrate() times.
 struct sweep_options {
   std::size_t min_bytes = 4096;                   //!< smallest buffer, bytes (whole array)
@@ -232,10 +272,11 @@ struct sweep_options {
   int warmup = 1;                                 //!< untimed calls per size before the repetitions
   std::size_t bytes_per_rep = std::size_t{1} << 20;  //!< small sizes repeat until this many bytes
   int max_iters = 64;                                //!< most calls in one repetition
-  //! Buffers of at least this many bytes per rank, of which every call uses the next part
-  //! (largest size × 2, in and out), so that a call finds its data out of cache as a training
-  //! step's collectives do (the step streamed the optimizer's state in between). 0: one in and
-  //! one out buffer of the largest size, reused by every call (small sizes then run in cache).
+  //! In and out buffers of this many bytes per rank together, which consecutive calls walk
+  //! through (each starts where the previous one ended), so that every call finds its data out
+  //! of cache as a training step's collectives do (the step streamed the optimizer's state in
+  //! between); choose several times the last-level cache. 0: buffers of the largest size,
+  //! reused by every call (sizes that fit in cache are then timed in cache).
   std::size_t cold_bytes = 0;
   //! Element type of the buffers: fp32 or bf16. Use the gradients' type of the steps to be
   //! predicted: a host communicator's reduction costs more per byte in bf16 (fp32 accumulation
@@ -308,15 +349,17 @@ std::vector<calibration_sample> sweep(Comm& comm, const sweep_options& o) {
     if (sizes.empty() || n != sizes.back()) sizes.push_back(n);
   }
   const std::size_t largest = sizes.back();
-  // `slots` input/output pairs of `largest` elements, used in turn (cold_bytes: see
-  // sweep_options); one pair, always in cache for small sizes, without it.
-  const std::size_t pair_bytes = 2 * largest * sizeof(T);
-  const std::size_t slots = std::max<std::size_t>(1, (o.cold_bytes + pair_bytes - 1) / pair_bytes);
-  std::vector<T> in(slots * largest, T(1.0f)), out(slots * largest, T(0.0f));
-  std::size_t next = 0;
+  // In and out buffers of `arena` elements (cold_bytes: see sweep_options), which consecutive
+  // calls walk through, each starting where the last one ended; the largest size alone without
+  // cold_bytes (every call then reuses the same bytes).
+  const std::size_t arena = std::max(largest, o.cold_bytes / (2 * sizeof(T)) / p * p);
+  std::vector<T> in(arena, T(1.0f)), out(arena, T(0.0f));
+  std::size_t cursor = 0;
 
   auto run = [&](collective op, std::size_t n) {
-    const std::size_t at = (next++ % slots) * largest;
+    if (cursor + n > arena) cursor = 0;
+    const std::size_t at = cursor;
+    cursor += n;
     switch (op) {
       case collective::all_gather:
         comm.all_gather(in.data() + at, out.data() + at, n / p);

@@ -15,6 +15,10 @@
 //! β_intra, links between nodes α_inter, β_inter. Placement: rank r lives on node r /
 //! gpus_per_node; a group is spread evenly: `per_node` of its members on each node it spans.
 //!
+//! A communicator whose collectives are not all rings of one link (a calibration shows it:
+//! plan/calibrate.hpp) can be given one measured link per collective inside a node
+//! (cluster::intra_all_reduce, intra_reduce_scatter, intra_all_gather), used in place of intra.
+//!
 //!  - flat ring: one ring over the whole group. If it spans one node it runs on intra-node
 //!    links; otherwise its slowest link bounds every step: α = max(α_intra, α_inter),
 //!    β = max(β_intra, β_inter).
@@ -42,6 +46,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <span>
 
 SHARDKIT_NAMESPACE_BEGIN
@@ -58,7 +63,29 @@ struct cluster {
   std::uint64_t gpus_per_node = 8;  //!< ranks per node (one rank per GPU)
   link intra{5e-6, 450e9};          //!< inside a node (e.g. NVLink4: 450 GB/s per direction)
   link inter{5e-6, 50e9};           //!< between nodes (e.g. one 400 Gbit/s NIC per GPU)
+  //! Links measured per collective inside a node (plan::fit_links_per_collective), which
+  //! replace `intra` for that collective: a communicator whose collectives are not all rings
+  //! (the thread communicator's one-pass all-reduce costs about what its all-gather does, where
+  //! a ring all-reduce costs twice as much) is then described by one fitted link each. Unset:
+  //! `intra`.
+  std::optional<link> intra_all_reduce{};
+  std::optional<link> intra_reduce_scatter{};
+  std::optional<link> intra_all_gather{};
 };
+
+//! The link of collective `op` inside a node of `c`: its own measured link where one is set.
+constexpr link intra_link(const cluster& c, collective op) noexcept {
+  switch (op) {
+    case collective::all_reduce:
+      return c.intra_all_reduce.value_or(c.intra);
+    case collective::reduce_scatter:
+      return c.intra_reduce_scatter.value_or(c.intra);
+    case collective::all_gather:
+      return c.intra_all_gather.value_or(c.intra);
+    default:
+      return c.intra;
+  }
+}
 
 //! The two ways of running a collective over several nodes that the model knows.
 enum class algorithm : std::uint8_t {
@@ -97,6 +124,10 @@ constexpr const char* placement_problem(const setup& s, const cluster& c) noexce
   }
   if (!(c.intra.latency_s >= 0) || !(c.inter.latency_s >= 0)) {
     return "link latencies must not be negative";
+  }
+  for (const auto* l : {&c.intra_all_reduce, &c.intra_reduce_scatter, &c.intra_all_gather}) {
+    if (l->has_value() && !((*l)->bytes_per_s > 0)) return "link bandwidths must be positive";
+    if (l->has_value() && !((*l)->latency_s >= 0)) return "link latencies must not be negative";
   }
   return nullptr;
 }
@@ -144,11 +175,13 @@ constexpr double ring_time(collective op, std::uint64_t count, std::uint64_t e, 
 }
 }  // namespace detail
 
-//! The slowest link a flat ring over `where` crosses.
-constexpr link bottleneck(const placement& where, const cluster& c) noexcept {
-  if (where.nodes() <= 1) return c.intra;
-  return {std::max(c.intra.latency_s, c.inter.latency_s),
-          std::min(c.intra.bytes_per_s, c.inter.bytes_per_s)};
+//! The slowest link a flat ring of collective `op` over `where` crosses.
+constexpr link bottleneck(const placement& where, const cluster& c,
+                          collective op = collective::barrier) noexcept {
+  const link intra = intra_link(c, op);
+  if (where.nodes() <= 1) return intra;
+  return {std::max(intra.latency_s, c.inter.latency_s),
+          std::min(intra.bytes_per_s, c.inter.bytes_per_s)};
 }
 
 //! Seconds one collective takes (see the file comment). `count` follows NCCL: per rank for
@@ -160,14 +193,18 @@ constexpr double collective_time(collective op, std::uint64_t count, std::uint64
   const bool two_level = a == algorithm::hierarchical && g > 1 && m > 1 &&
                          (op == collective::reduce_scatter || op == collective::all_gather ||
                           op == collective::all_reduce);
-  if (!two_level) return detail::ring_time(op, count, elem_bytes, where.size, bottleneck(where, c));
+  if (!two_level) {
+    return detail::ring_time(op, count, elem_bytes, where.size, bottleneck(where, c, op));
+  }
   if (op == collective::all_reduce) {
     const std::uint64_t chunk = detail::ceil_div(count, g);
-    return detail::ring_time(collective::reduce_scatter, chunk, elem_bytes, g, c.intra) +
+    return detail::ring_time(collective::reduce_scatter, chunk, elem_bytes, g,
+                             intra_link(c, collective::reduce_scatter)) +
            detail::ring_time(collective::all_reduce, chunk, elem_bytes, m, c.inter) +
-           detail::ring_time(collective::all_gather, chunk, elem_bytes, g, c.intra);
+           detail::ring_time(collective::all_gather, chunk, elem_bytes, g,
+                             intra_link(c, collective::all_gather));
   }
-  return detail::ring_time(op, m * count, elem_bytes, g, c.intra) +
+  return detail::ring_time(op, m * count, elem_bytes, g, intra_link(c, op)) +
          detail::ring_time(op, count, elem_bytes, m, c.inter);
 }
 
