@@ -82,9 +82,9 @@ struct model {
 
 //! One full step of engine `e` with gradients `g` (model::grads): the unit hooks of a forward,
 //! then backward unit by unit (pre_backward, grad_ready of the unit's bias and weight,
-//! post_backward), then step(). Returns the data bytes this rank sent in the step.
+//! post_backward), then step(). Returns step()'s report.
 template <class Engine>
-std::uint64_t full_step(Engine& e, const std::vector<std::vector<shardkit::bf16>>& g) {
+auto full_step_report(Engine& e, const std::vector<std::vector<shardkit::bf16>>& g) {
   const std::size_t units = e.num_units();
   for (std::size_t u = 0; u < units; ++u) {
     e.pre_forward(u);
@@ -96,7 +96,13 @@ std::uint64_t full_step(Engine& e, const std::vector<std::vector<shardkit::bf16>
     e.grad_ready(2 * u, g[2 * u]);
     e.post_backward(u);
   }
-  return e.step().bytes_sent;
+  return e.step();
+}
+
+//! full_step_report(e, g), the data bytes this rank sent in the step.
+template <class Engine>
+std::uint64_t full_step(Engine& e, const std::vector<std::vector<shardkit::bf16>>& g) {
+  return full_step_report(e, g).bytes_sent;
 }
 
 //! Bytes per parameter one rank holds at `stage` on `ranks` ranks with bf16 working parameters

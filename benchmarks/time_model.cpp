@@ -46,6 +46,8 @@
 #include <shardkit/comm/mpi.hpp>
 #endif
 
+#include "engine_model.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -62,13 +64,10 @@ namespace {
 
 namespace plan = shardkit::plan;
 
-struct model_shape {
-  std::size_t d = 1024;
-  std::size_t layers = 8;
-};
+using bench::model_shape;
 
 struct config {
-  model_shape shape;
+  model_shape shape{1024, 8};
   std::vector<int> ranks{2, 4};
   int reps = 7;
   // the gradients' type; cache-cold buffers, as a step's collectives find theirs
@@ -126,44 +125,10 @@ stage_result measure_stage(Comm& comm, const config& c) {
   using engine_t = shardkit::engine<timed, shardkit::stage<S>, shardkit::bf16, shardkit::adamw>;
   const int rank = comm.rank();
   timed tc(comm.split(0, rank));  // a communicator of its own, owned by the timing wrapper
-  const model_shape& m = c.shape;
-  shardkit::model_spec model;
-  std::vector<std::vector<float>> init;
-  for (std::size_t l = 0; l < m.layers; ++l) {
-    init.emplace_back(m.d * m.d);
-    for (std::size_t k = 0; k < init.back().size(); ++k) {
-      init.back()[k] = 1e-2f * (static_cast<float>(k % 101) - 50.0f) / 50.0f;
-    }
-    init.emplace_back(m.d, 0.0f);
-  }
-  for (std::size_t l = 0; l < m.layers; ++l) {
-    model.begin_unit("layer" + std::to_string(l));
-    model.add("layer" + std::to_string(l) + ".weight", init[2 * l]);
-    model.add("layer" + std::to_string(l) + ".bias", init[2 * l + 1]);
-  }
-  std::vector<std::vector<shardkit::bf16>> grads;
-  for (const auto& p : init) {
-    grads.emplace_back(p.size());
-    for (std::size_t k = 0; k < p.size(); ++k) {
-      grads.back()[k] = shardkit::bf16(
-          1e-3f * (static_cast<float>((k + 7 * static_cast<std::size_t>(rank)) % 89) - 44.0f));
-    }
-  }
-  engine_t e(tc, model, shardkit::adam_options{.lr = 1e-4f});
-  auto step = [&] {
-    const std::size_t units = e.num_units();
-    for (std::size_t u = 0; u < units; ++u) {
-      e.pre_forward(u);
-      e.post_forward(u);
-    }
-    for (std::size_t u = units; u-- > 0;) {
-      e.pre_backward(u);
-      e.grad_ready(2 * u + 1, grads[2 * u + 1]);
-      e.grad_ready(2 * u, grads[2 * u]);
-      e.post_backward(u);
-    }
-    return e.step();
-  };
+  const bench::model model(c.shape);
+  const auto grads = model.grads(rank);
+  engine_t e(tc, model.spec, shardkit::adam_options{.lr = 1e-4f});
+  auto step = [&] { return bench::full_step_report(e, grads); };
   step();  // warm-up: first touch, ZeRO-3 learns its prefetch order
   stage_result r;
   std::vector<double> in_comm, wall_opt, after_arrival;
