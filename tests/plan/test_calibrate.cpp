@@ -49,7 +49,23 @@ std::vector<plan::calibration_sample> model_samples(const plan::link& l,
 
 }  // namespace
 
-TEST_CASE("calibrate: ring_coefficients are time.hpp's ring formula") {
+TEST_CASE("calibrate: ring_coefficients are the ring formulas, and the model's times") {
+  // The closed forms of plan/time.hpp's file comment, written out here: messages and bytes in
+  // sequence of a flat ring over P ranks, n elements of 4 bytes.
+  const auto want = [](collective op, std::uint64_t n, std::uint64_t P) -> plan::ring_terms {
+    const double s = static_cast<double>(P - 1);
+    const double chunk = static_cast<double>((n + P - 1) / P * 4);
+    switch (op) {
+      case collective::all_reduce:
+        return {2 * s, 2 * s * chunk};
+      case collective::broadcast:
+        return {s, 4.0 * static_cast<double>(n)};
+      case collective::barrier:
+        return {s, 0.0};
+      default:  // reduce-scatter, all-gather, all-to-all: n elements per rank and step
+        return {s, s * 4.0 * static_cast<double>(n)};
+    }
+  };
   const plan::link l{3.7e-6, 12.5e9};
   plan::cluster c;
   c.gpus_per_node = 64;
@@ -59,11 +75,17 @@ TEST_CASE("calibrate: ring_coefficients are time.hpp's ring formula") {
         collective::all_to_all, collective::broadcast, collective::barrier}) {
     for (const std::uint64_t P : {2u, 3u, 4u, 8u}) {
       for (const std::uint64_t n : {1u, 7u, 1000u, 1u << 20}) {
+        INFO(name(op) << ", " << n << " elements, " << P << " ranks");
         const auto t = plan::ring_coefficients(op, n, 4, P);
-        const double want = plan::collective_time(op, n, 4, plan::placement{P, P}, c);
-        CHECK(t.a * l.latency_s + t.b / l.bytes_per_s == Approx(want).epsilon(1e-12));
+        const auto w = want(op, n, P);
+        CHECK(t.a == w.a);
+        CHECK(t.b == w.b);
+        const double model = plan::collective_time(op, n, 4, plan::placement{P, P}, c);
+        CHECK(model == Approx(w.a * l.latency_s + w.b / l.bytes_per_s).epsilon(1e-12));
       }
     }
+    CHECK(plan::ring_coefficients(op, 1000, 4, 1).a == 0.0);  // one rank: no ring
+    CHECK(plan::collective_time(op, 1000, 4, plan::placement{1, 1}, c) == 0.0);
   }
 }
 

@@ -82,31 +82,6 @@ struct calibration_sample {
   double seconds = 0.0;
 };
 
-//! The coefficients of α and β in time.hpp's flat-ring time of one collective: t = a·α + b·β.
-struct ring_terms {
-  double a = 0.0;  //!< messages in sequence (ring steps)
-  double b = 0.0;  //!< bytes in sequence (bytes of all ring steps)
-};
-
-constexpr ring_terms ring_coefficients(collective op, std::uint64_t count, std::uint64_t e,
-                                       std::uint64_t p) noexcept {
-  if (p <= 1) return {};
-  const double steps = static_cast<double>(p - 1);
-  switch (op) {
-    case collective::reduce_scatter:
-    case collective::all_gather:
-    case collective::all_to_all:
-      return {steps, steps * static_cast<double>(count * e)};
-    case collective::all_reduce:
-      return {2.0 * steps, 2.0 * steps * static_cast<double>(detail::ceil_div(count, p) * e)};
-    case collective::broadcast:
-      return {steps, static_cast<double>(count * e)};
-    case collective::barrier:
-      return {steps, 0.0};
-  }
-  return {};
-}
-
 //! The fitted link and how well it explains the samples.
 struct link_fit {
   link fitted;                         //!< α and bandwidth (1/β)

@@ -153,25 +153,42 @@ namespace detail {
 constexpr std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) noexcept {
   return b == 0 ? 0 : (a + b - 1) / b;
 }
-//! Flat ring over p ranks on one kind of link.
-constexpr double ring_time(collective op, std::uint64_t count, std::uint64_t e, std::uint64_t p,
-                           const link& l) noexcept {
-  if (p <= 1) return 0.0;
-  const double a = l.latency_s, beta = 1.0 / l.bytes_per_s;
+}  // namespace detail
+
+//! A flat ring's time on one kind of link as t = a·α + b·β: `a` messages and `b` bytes in
+//! sequence (the formulas of the file comment). The calibration (plan/calibrate.hpp) fits α and
+//! β against these coefficients; the model evaluates them.
+struct ring_terms {
+  double a = 0.0;  //!< messages in sequence (ring steps)
+  double b = 0.0;  //!< bytes in sequence (bytes of all ring steps)
+};
+
+//! The coefficients of collective `op` of `count` elements of `e` bytes over a ring of p ranks.
+constexpr ring_terms ring_coefficients(collective op, std::uint64_t count, std::uint64_t e,
+                                       std::uint64_t p) noexcept {
+  if (p <= 1) return {};
   const double steps = static_cast<double>(p - 1);
   switch (op) {
     case collective::reduce_scatter:
     case collective::all_gather:
     case collective::all_to_all:
-      return steps * (a + static_cast<double>(count * e) * beta);
+      return {steps, steps * static_cast<double>(count * e)};
     case collective::all_reduce:
-      return 2.0 * steps * (a + static_cast<double>(ceil_div(count, p) * e) * beta);
+      return {2.0 * steps, 2.0 * steps * static_cast<double>(detail::ceil_div(count, p) * e)};
     case collective::broadcast:
-      return steps * a + static_cast<double>(count * e) * beta;
+      return {steps, static_cast<double>(count * e)};
     case collective::barrier:
-      return steps * a;
+      return {steps, 0.0};
   }
-  return 0.0;
+  return {};
+}
+
+namespace detail {
+//! Flat ring over p ranks on one kind of link.
+constexpr double ring_time(collective op, std::uint64_t count, std::uint64_t e, std::uint64_t p,
+                           const link& l) noexcept {
+  const ring_terms t = ring_coefficients(op, count, e, p);
+  return t.a * l.latency_s + t.b / l.bytes_per_s;
 }
 }  // namespace detail
 
