@@ -1,0 +1,172 @@
+// Long-lived host allocations of 2 MiB or more: aligned to 2 MiB, advised to use transparent
+// huge pages (Linux: the mapping that holds them carries the "hg" flag in /proc/self/smaps), the
+// advice turned off by SHARDKIT_HUGE_PAGES=0 and an unknown value refused; smaller ones, and
+// transient ones (ZeRO-3's gathered units, I/O staging), untouched.
+// Values never depend on it (every other test runs with the advice on).
+#include <shardkit/core/memory.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <string>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+namespace {
+
+// Every large block its own fresh mapping, unmapped when freed: glibc otherwise raises its mmap
+// threshold after the first large free and serves later blocks from the heap, where an earlier
+// block's advice would still mark the reused range.
+void fresh_mappings() {
+#if defined(__GLIBC__)
+  ::mallopt(M_MMAP_THRESHOLD, 128 * 1024);
+#endif
+}
+
+using alloc = shardkit::space_allocator<shardkit::host_space>;
+
+// The VmFlags of the mapping of /proc/self/smaps that holds `p`; nullopt if none does.
+std::optional<std::string> vm_flags(const void* p) {
+  std::ifstream in("/proc/self/smaps");
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  std::string line;
+  bool inside = false;
+  while (std::getline(in, line)) {
+    std::uintptr_t lo = 0, hi = 0;
+    char dash = 0;
+    std::istringstream head(line);
+    if (head >> std::hex >> lo >> dash >> hi && dash == '-' && line.find(':') > line.find(' ')) {
+      inside = lo <= at && at < hi;
+      continue;
+    }
+    if (inside && line.rfind("VmFlags:", 0) == 0) return line.substr(8) + " ";
+  }
+  return std::nullopt;
+}
+
+bool has_flag(const std::string& flags, const char* f) {
+  return flags.find(std::string(" ") + f + " ") != std::string::npos;
+}
+
+// Transparent huge pages are in this kernel and allowed on request ("always" or "madvise").
+bool thp_available() {
+  std::ifstream in("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string s;
+  std::getline(in, s);
+  return s.find("[always]") != std::string::npos || s.find("[madvise]") != std::string::npos;
+}
+
+struct env_guard {
+  explicit env_guard(const char* value) {
+    if (value == nullptr) {
+      ::unsetenv("SHARDKIT_HUGE_PAGES");
+    } else {
+      ::setenv("SHARDKIT_HUGE_PAGES", value, 1);
+    }
+  }
+  ~env_guard() { ::unsetenv("SHARDKIT_HUGE_PAGES"); }
+};
+
+std::uintptr_t block_of(const void* p) {
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  return at - at % alloc::page;
+}
+
+}  // namespace
+
+TEST_CASE("host memory: large buffers sit on 2 MiB boundaries, smaller ones keep their alignment",
+          "[memory]") {
+  env_guard env(nullptr);
+  for (std::size_t bytes : {alloc::huge_threshold, alloc::huge_threshold * 3 + 12345}) {
+    for (int k = 0; k < 3; ++k) {  // three consecutive slots of the stagger
+      shardkit::buffer<std::byte> b(bytes, nullptr, shardkit::memory_category::comm_scratch);
+      INFO(bytes << " bytes, allocation " << k);
+      CHECK(block_of(b.data()) % alloc::huge_page == 0);
+      CHECK(reinterpret_cast<std::uintptr_t>(b.data()) % alloc::alignment == 0);
+      CHECK(b.data()[bytes - 1] == std::byte{0});
+    }
+  }
+  shardkit::buffer<std::byte> mid(alloc::huge_threshold - 1, nullptr,
+                                  shardkit::memory_category::comm_scratch);
+  CHECK(alloc::block_alignment(mid.size(), true) == alloc::page);
+  CHECK(alloc::block_alignment(alloc::stagger_threshold - 1, true) == alloc::alignment);
+  CHECK(alloc::block_alignment(alloc::huge_threshold, true) == alloc::huge_page);
+  CHECK(alloc::block_alignment(alloc::huge_threshold, false) == alloc::page);
+  CHECK(shardkit::long_lived(shardkit::memory_category::optimizer_moments));
+  CHECK(shardkit::long_lived(shardkit::memory_category::grad_buckets));
+  CHECK_FALSE(shardkit::long_lived(shardkit::memory_category::gathered_params));
+  CHECK_FALSE(shardkit::long_lived(shardkit::memory_category::io_staging));
+}
+
+#if defined(__linux__)
+TEST_CASE("host memory: huge-page advice on by default, off with SHARDKIT_HUGE_PAGES=0",
+          "[memory]") {
+  if (!thp_available()) {
+    WARN(
+        "this kernel offers no transparent huge pages on request "
+        "(/sys/kernel/mm/transparent_hugepage/enabled): the advice is a no-op, not checked");
+    return;
+  }
+  fresh_mappings();
+  const std::size_t bytes = 4 * alloc::huge_page;
+  {
+    env_guard env(nullptr);
+    shardkit::buffer<float> b(bytes / 4, nullptr, shardkit::memory_category::optimizer_moments);
+    const auto flags = vm_flags(b.data());
+    REQUIRE(flags.has_value());
+    INFO("VmFlags:" << *flags);
+    CHECK(has_flag(*flags, "hg"));
+  }
+  {
+    env_guard env("1");
+    shardkit::buffer<float> b(bytes / 4, nullptr, shardkit::memory_category::optimizer_moments);
+    const auto flags = vm_flags(b.data());
+    REQUIRE(flags.has_value());
+    CHECK(has_flag(*flags, "hg"));
+  }
+  {
+    env_guard env("0");
+    shardkit::buffer<float> b(bytes / 4, nullptr, shardkit::memory_category::optimizer_moments);
+    const auto flags = vm_flags(b.data());
+    REQUIRE(flags.has_value());
+    INFO("VmFlags:" << *flags);
+    CHECK_FALSE(has_flag(*flags, "hg"));
+  }
+  for (const auto transient :
+       {shardkit::memory_category::gathered_params, shardkit::memory_category::io_staging}) {
+    env_guard env(nullptr);  // allocated and freed every step: no advice
+    shardkit::buffer<float> b(bytes / 4, nullptr, transient);
+    const auto flags = vm_flags(b.data());
+    REQUIRE(flags.has_value());
+    INFO(shardkit::name(transient) << ", VmFlags:" << *flags);
+    CHECK_FALSE(has_flag(*flags, "hg"));
+  }
+  {
+    env_guard env(nullptr);  // below the threshold: no advice
+    shardkit::buffer<float> b(alloc::huge_threshold / 8, nullptr,
+                              shardkit::memory_category::optimizer_moments);
+    const auto flags = vm_flags(b.data());
+    REQUIRE(flags.has_value());
+    CHECK_FALSE(has_flag(*flags, "hg"));
+  }
+}
+#endif
+
+TEST_CASE("host memory: an unknown SHARDKIT_HUGE_PAGES is refused, naming the accepted values",
+          "[memory]") {
+  env_guard env("yes");
+  CHECK_THROWS_WITH(shardkit::buffer<float>(alloc::huge_threshold, nullptr,
+                                            shardkit::memory_category::optimizer_moments),
+                    Catch::Matchers::Contains("SHARDKIT_HUGE_PAGES=yes") &&
+                        Catch::Matchers::Contains("accepted values are 0") &&
+                        Catch::Matchers::Contains("1"));
+  // Small allocations do not read it.
+  CHECK_NOTHROW(shardkit::buffer<float>(16, nullptr, shardkit::memory_category::optimizer_moments));
+}
