@@ -6,9 +6,17 @@
 //   shardkit_peer_adamw_fp32(team, p, m, v, g, n, step, lr, beta1, beta2, eps, weight_decay)
 //   shardkit_peer_adamw_bf16(team, master, m, v, g_bf16, out_bf16, n, step, ...)
 //   shardkit_peer_team_free(team);  shardkit_peer_isa()
+//   shardkit_peer_stream_fp32(team, p, m, v, g, n)   the roofline: the fp32 step's bytes (read
+//                                                     p, m, v, g; write p, m, v), one add each
+//   own = shardkit_peer_own_new(p0, g0, n)     fp32 p, m, v, g in shardkit's own host buffers
+//   shardkit_peer_own_adamw_fp32(team, own, step, lr, ...); shardkit_peer_own_free(own)
+//                                 (what a shardkit engine steps: core/memory.hpp's allocations,
+//                                 staggered and on huge pages, where torch's tensors are not)
 //
 // Bias corrections and all per-step constants come from shardkit::adamw::prepare, as in the
 // engine; the gradient multiplier is 1.
+#include <shardkit/core/memory.hpp>
+#include <shardkit/kernels/host/dispatch.hpp>
 #include <shardkit/kernels/host/isa.hpp>
 #include <shardkit/kernels/host/optimizer.hpp>
 #include <shardkit/kernels/host/parallel.hpp>
@@ -16,6 +24,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 shardkit::adamw::constants constants(std::uint64_t step, float lr, float beta1, float beta2,
@@ -24,6 +33,46 @@ shardkit::adamw::constants constants(std::uint64_t step, float lr, float beta1, 
       .lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay};
   return shardkit::adamw::prepare(o, step, lr, 1.0f);
 }
+
+shardkit::host::executor* exec(void* team) {
+  return static_cast<shardkit::host::executor*>(static_cast<shardkit::host::thread_team*>(team));
+}
+
+// The roofline of the fp32 step: the same loads and stores through the same dispatch, one add
+// per array instead of AdamW's arithmetic.
+struct stream_kernel {
+  template <class Isa>
+  SHARDKIT_FORCEINLINE static void run(float* p, float* m, float* v, const float* g,
+                                       std::size_t n) {
+    namespace simd = shardkit::simd;
+    constexpr std::size_t L = Isa::width;
+    std::size_t i = 0;
+    for (; i + L <= n; i += L) {
+      const auto gv = simd::load<Isa>(g + i);
+      simd::store<Isa>(p + i, simd::load<Isa>(p + i) + gv);
+      simd::store<Isa>(m + i, simd::load<Isa>(m + i) + gv);
+      simd::store<Isa>(v + i, simd::load<Isa>(v + i) + gv);
+    }
+    for (; i < n; ++i) {
+      p[i] += g[i];
+      m[i] += g[i];
+      v[i] += g[i];
+    }
+  }
+};
+
+// fp32 parameters, moments and gradient in shardkit's host buffers, as an engine holds them.
+struct own_buffers {
+  shardkit::buffer<float> p, m, v, g;
+  own_buffers(const float* p0, const float* g0, std::size_t n)
+      : p(n, nullptr, shardkit::memory_category::working_params),
+        m(n, nullptr, shardkit::memory_category::optimizer_moments),
+        v(n, nullptr, shardkit::memory_category::optimizer_moments),
+        g(n, nullptr, shardkit::memory_category::grads) {
+    std::memcpy(p.data(), p0, n * sizeof(float));
+    std::memcpy(g.data(), g0, n * sizeof(float));
+  }
+};
 }  // namespace
 
 extern "C" {
@@ -46,8 +95,36 @@ __attribute__((visibility("default"))) void shardkit_peer_adamw_fp32(
     float lr, float beta1, float beta2, float eps, float weight_decay) {
   float* state[2] = {m, v};
   shardkit::host::parallel_fused_step<shardkit::adamw, float, float>(
-      static_cast<shardkit::host::executor*>(static_cast<shardkit::host::thread_team*>(team)),
-      constants(step, lr, beta1, beta2, eps, weight_decay), p, state, g, nullptr, n);
+      exec(team), constants(step, lr, beta1, beta2, eps, weight_decay), p, state, g, nullptr, n);
+}
+
+__attribute__((visibility("default"))) void shardkit_peer_stream_fp32(void* team, float* p,
+                                                                      float* m, float* v,
+                                                                      const float* g,
+                                                                      std::size_t n) {
+  shardkit::host::parallel_for(exec(team), n, shardkit::host::step_grain,
+                               [&](std::size_t b, std::size_t e) {
+                                 shardkit::dispatch<stream_kernel>(p + b, m + b, v + b, g + b,
+                                                                   e - b);
+                               });
+}
+
+__attribute__((visibility("default"))) void* shardkit_peer_own_new(const float* p0,
+                                                                   const float* g0,
+                                                                   std::size_t n) {
+  return new own_buffers(p0, g0, n);
+}
+
+__attribute__((visibility("default"))) void shardkit_peer_own_free(void* own) {
+  delete static_cast<own_buffers*>(own);
+}
+
+__attribute__((visibility("default"))) void shardkit_peer_own_adamw_fp32(
+    void* team, void* own, std::uint64_t step, float lr, float beta1, float beta2, float eps,
+    float weight_decay) {
+  auto& b = *static_cast<own_buffers*>(own);
+  shardkit_peer_adamw_fp32(team, b.p.data(), b.m.data(), b.v.data(), b.g.data(), b.p.size(),
+                           step, lr, beta1, beta2, eps, weight_decay);
 }
 
 __attribute__((visibility("default"))) void shardkit_peer_adamw_bf16(
@@ -56,8 +133,7 @@ __attribute__((visibility("default"))) void shardkit_peer_adamw_bf16(
     float weight_decay) {
   float* state[2] = {m, v};
   shardkit::host::parallel_fused_step<shardkit::adamw, shardkit::bf16, shardkit::bf16>(
-      static_cast<shardkit::host::executor*>(static_cast<shardkit::host::thread_team*>(team)),
-      constants(step, lr, beta1, beta2, eps, weight_decay), master, state,
+      exec(team), constants(step, lr, beta1, beta2, eps, weight_decay), master, state,
       reinterpret_cast<const shardkit::bf16*>(g), reinterpret_cast<shardkit::bf16*>(out), n);
 }
 }

@@ -7,6 +7,11 @@ scripts/bench --peers runs it once per thread count in the peers' virtual enviro
 Contenders (AdamW, lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.01):
   shardkit_fp32        host::parallel_fused_step<adamw, float, float> (benchmarks/peer_step.cpp):
                        fp32 params, grads, moments; 28 bytes/element
+  shardkit_fp32_own    the same step on shardkit's own host buffers (core/memory.hpp: staggered,
+                       on 2 MiB pages), as a shardkit engine holds its shards; every other
+                       contender steps tensors torch allocated
+  stream_fp32          the roofline: the fp32 step's bytes (read p, m, v, g; write p, m, v) with
+                       one add per array, on torch's tensors
   torch_fused          torch.optim.AdamW(fused=True)
   torch_foreach        torch.optim.AdamW(foreach=True)
   torch_forloop        torch.optim.AdamW(foreach=False)
@@ -17,8 +22,13 @@ Contenders (AdamW, lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.01):
   deepspeed_bf16       DeepSpeed's own 16-bit mode: bf16 params and grads, fp32 moments, no fp32
                        master (22 bytes/element; a weaker algorithm, listed for completeness)
 
-Prints one JSON document: {"meta": ..., "results": [{"n", "threads", "name", "seconds",
-"gelems", "cpu_seconds"}]}; seconds is the median over repetitions of each repetition's median
+--huge-pages sets THP_MEM_ALLOC_ENABLE=1 before torch loads, so that torch's own tensors (those
+of every contender but shardkit_fp32_own) sit on transparent huge pages; the default leaves
+torch's allocator as it ships (4 KiB pages). meta.anon_huge_kib says how much memory the process
+held on huge pages once every contender had allocated.
+
+Prints one JSON document: {"meta": ..., "results": [{"n", "threads", "pages", "name",
+"seconds", "gelems", "cpu_seconds"}]}; seconds is the median over repetitions of each repetition's median
 step time (wall clock); cpu_seconds the same for the CPU time of the calling thread, which on one
 thread is the whole step (every contender runs it on the caller) and, unlike the wall clock, does
 not count the time other processes hold the core.
@@ -34,6 +44,18 @@ import sys
 import time
 
 
+def anon_huge_kib():
+    """Memory this process holds on transparent huge pages (/proc/self/smaps_rollup), in KiB."""
+    try:
+        with open("/proc/self/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", required=True, help="libshardkit_peer_step.so")
@@ -42,10 +64,15 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
     ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="torch's tensors on transparent huge pages (THP_MEM_ALLOC_ENABLE=1)")
     ap.add_argument("--out", help="write the JSON here (default: stdout)")
     args = ap.parse_args()
 
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    if args.huge_pages:
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+    pages = "2MiB" if args.huge_pages else "4KiB"
     import torch
 
     torch.set_num_threads(args.threads)
@@ -60,6 +87,11 @@ def main():
                                              ctypes.c_uint64, f, f, f, f, f]
     lib.shardkit_peer_adamw_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_size_t,
                                              ctypes.c_uint64, f, f, f, f, f]
+    lib.shardkit_peer_stream_fp32.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_size_t]
+    lib.shardkit_peer_own_new.restype = ctypes.c_void_p
+    lib.shardkit_peer_own_new.argtypes = [ptr, ptr, ctypes.c_size_t]
+    lib.shardkit_peer_own_free.argtypes = [ptr]
+    lib.shardkit_peer_own_adamw_fp32.argtypes = [ptr, ptr, ctypes.c_uint64, f, f, f, f, f]
     team = lib.shardkit_peer_team(args.threads)
 
     ds = None
@@ -77,6 +109,7 @@ def main():
 
     lr, b1, b2, eps, wd = 1e-4, 0.9, 0.999, 1e-8, 0.01
     results = []
+    anon_huge = {}
     for n in [int(x) for x in args.sizes.split(",") if x]:
         gen = torch.Generator().manual_seed(1)
         p0 = torch.rand(n, generator=gen) - 0.5
@@ -92,6 +125,25 @@ def main():
                 t[0] += 1
                 lib.shardkit_peer_adamw_fp32(team, p.data_ptr(), m.data_ptr(), v.data_ptr(),
                                              g.data_ptr(), n, t[0], lr, b1, b2, eps, wd)
+            return step
+
+        def shardkit_fp32_own():
+            own = lib.shardkit_peer_own_new(p0.data_ptr(), g0.data_ptr(), n)
+            owned.append(own)
+            t = [0]
+
+            def step():
+                t[0] += 1
+                lib.shardkit_peer_own_adamw_fp32(team, own, t[0], lr, b1, b2, eps, wd)
+            return step
+
+        def stream_fp32():
+            p, g = p0.clone(), g0.clone()
+            m, v = torch.zeros(n), torch.zeros(n)
+
+            def step():
+                lib.shardkit_peer_stream_fp32(team, p.data_ptr(), m.data_ptr(), v.data_ptr(),
+                                              g.data_ptr(), n)
             return step
 
         def shardkit_bf16():
@@ -131,7 +183,10 @@ def main():
                 return step
             return make
 
+        owned = []
         contenders["shardkit_fp32"] = shardkit_fp32
+        contenders["shardkit_fp32_own"] = shardkit_fp32_own
+        contenders["stream_fp32"] = stream_fp32
         contenders["torch_fused"] = torch_adamw(fused=True)
         contenders["torch_foreach"] = torch_adamw(foreach=True)
         contenders["torch_forloop"] = torch_adamw(foreach=False)
@@ -143,6 +198,7 @@ def main():
         steps = {name: make() for name, make in contenders.items()}
         for s in steps.values():  # warm-up: first touch, lazy state, op loading
             s()
+        anon_huge[n] = anon_huge_kib()
         per_rep = {name: [] for name in steps}
         per_rep_cpu = {name: [] for name in steps}
         names = list(steps)
@@ -159,16 +215,20 @@ def main():
                 per_rep_cpu[name].append(statistics.median(cpu))
         for name in names:
             sec = statistics.median(per_rep[name])
-            results.append({"n": n, "threads": args.threads, "name": name, "seconds": sec,
+            results.append({"n": n, "threads": args.threads, "pages": pages, "name": name,
+                            "seconds": sec,
                             "gelems": n / sec / 1e9, "reps": per_rep[name],
                             "cpu_seconds": statistics.median(per_rep_cpu[name])})
         del steps, contenders
+        for own in owned:
+            lib.shardkit_peer_own_free(own)
 
     lib.shardkit_peer_team_free(team)
     doc = {"meta": {"torch": torch.__version__, "deepspeed": ds_version,
                     "shardkit_isa": lib.shardkit_peer_isa().decode(),
                     "python": platform.python_version(), "threads": args.threads,
-                    "reps": args.reps, "steps": args.steps},
+                    "reps": args.reps, "steps": args.steps, "pages": pages,
+                    "anon_huge_kib": anon_huge},
            "results": results}
     text = json.dumps(doc, indent=1)
     if args.out:

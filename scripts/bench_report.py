@@ -478,12 +478,15 @@ def engine_mpi(path, out, plt, targets):
 
 
 # ---- peers: torch and DeepSpeed in the same process (benchmarks/peers.py) --------------------
-PEER_TARGETS = (  # (ours, theirs, floor, label)
+PEER_TARGETS = (  # (ours, theirs, floor, label); floor None: reported, not a target
     ("shardkit_fp32", "deepspeed_fp32", 1.05, "fp32 AdamW step ≥ 1.05× DeepSpeed's CPU Adam"),
     ("shardkit_fp32", "torch_fused", 1.05, "fp32 AdamW step ≥ 1.05× torch's fused AdamW"),
     ("shardkit_fp32", "torch_forloop", 4.0, "fp32 AdamW step ≥ 4× torch's for-loop AdamW"),
     ("shardkit_bf16", "deepspeed_fp32_copy", 1.0,
      "mixed-precision step ≥ 1.0× DeepSpeed's CPU Adam with the 16-bit copy"),
+    ("shardkit_fp32_own", "torch_fused", None, ""),
+    ("shardkit_fp32", "stream_fp32", None, ""),
+    ("torch_fused", "stream_fp32", None, ""),
 )
 
 
@@ -496,9 +499,13 @@ def peers(paths, out, plt, targets):
         res += d.get("results", [])
     if not res:
         return []
-    by = {(r["n"], r["threads"], r["name"]): r for r in res}
+    for r in res:
+        r.setdefault("pages", "4KiB")
+    by = {(r["n"], r["threads"], r["pages"], r["name"]): r for r in res}
     sizes = sorted({r["n"] for r in res})
     threads = sorted({r["threads"] for r in res})
+    pages = sorted({r["pages"] for r in res}, key=lambda x: x != "4KiB")
+    rows = [(n, t, pg) for n in sizes for t in threads for pg in pages]
     names = []
     for r in res:
         if r["name"] not in names:
@@ -506,69 +513,78 @@ def peers(paths, out, plt, targets):
     md = ["### Peers: torch and DeepSpeed, same process", "",
           f"`scripts/bench --peers`: torch {meta.get('torch')}, DeepSpeed "
           f"{meta.get('deepspeed')}, shardkit's {meta.get('shardkit_isa')} build; one Python "
-          "process per thread count (`torch.set_num_threads`, `OMP_NUM_THREADS`), tensors "
-          "allocated by torch, contenders interleaved; median over "
+          "process per thread count and page size (`torch.set_num_threads`, `OMP_NUM_THREADS`; "
+          "pages: torch's allocator as shipped, 4 KiB, or on transparent huge pages with "
+          "`THP_MEM_ALLOC_ENABLE=1`), tensors allocated by torch except shardkit_fp32_own's "
+          "(shardkit's own buffers, always on huge pages), contenders interleaved; median over "
           f"{meta.get('reps')} repetitions of each repetition's median of {meta.get('steps')} "
-          "steps. Giga-elements per second (AdamW):", "",
-          "| elements | threads | " + " | ".join(names) + " |",
-          "|---:|---:|" + "---:|" * len(names)]
-    for n in sizes:
-        for t in threads:
-            cells = [f"{by[(n, t, x)]['gelems']:.3f}" if (n, t, x) in by else "–" for x in names]
-            md.append(f"| {fmt_size(n)} | {t} | " + " | ".join(cells) + " |")
+          "steps. Giga-elements per second (AdamW; stream_fp32 is the roofline, the same bytes "
+          "with one add per array):", "",
+          "| elements | threads | pages | " + " | ".join(names) + " |",
+          "|---:|---:|---|" + "---:|" * len(names)]
+    for n, t, pg in rows:
+        cells = [f"{by[(n, t, pg, x)]['gelems']:.3f}" if (n, t, pg, x) in by else "–"
+                 for x in names]
+        if any(c != "–" for c in cells):
+            md.append(f"| {fmt_size(n)} | {t} | {pg} | " + " | ".join(cells) + " |")
     md += ["", "Same-run ratios (time of theirs / time of ours):", "",
-           "| elements | threads | " + " | ".join(f"{a} / {b}" for a, b, _, _ in PEER_TARGETS) +
-           " |", "|---:|---:|" + "---:|" * len(PEER_TARGETS)]
+           "| elements | threads | pages | " +
+           " | ".join(f"{a} / {b}" for a, b, _, _ in PEER_TARGETS) + " |",
+           "|---:|---:|---|" + "---:|" * len(PEER_TARGETS)]
     got = {i: [] for i in range(len(PEER_TARGETS))}
-    for n in sizes:
-        for t in threads:
-            cells = []
-            for i, (a, b, _, _) in enumerate(PEER_TARGETS):
-                ra, rb = by.get((n, t, a)), by.get((n, t, b))
-                if ra and rb:
-                    q = rb["seconds"] / ra["seconds"]
-                    cells.append(ratio(q))
-                    if n >= (16 << 20):
-                        got[i].append((n, t, q))
-                else:
-                    cells.append("–")
-            md.append(f"| {fmt_size(n)} | {t} | " + " | ".join(cells) + " |")
+    for n, t, pg in rows:
+        cells = []
+        for i, (a, b, _, _) in enumerate(PEER_TARGETS):
+            ra, rb = by.get((n, t, pg, a)), by.get((n, t, pg, b))
+            if ra and rb:
+                q = rb["seconds"] / ra["seconds"]
+                cells.append(ratio(q))
+                if n >= (16 << 20):
+                    got[i].append((n, t, pg, q))
+            else:
+                cells.append("–")
+        if any(c != "–" for c in cells):
+            md.append(f"| {fmt_size(n)} | {t} | {pg} | " + " | ".join(cells) + " |")
     # One thread: the same ratios from the CPU time of the calling thread, which a loaded
     # machine does not inflate (every contender runs the whole step on that thread).
-    cpu_rows = []
-    for n in sizes:
+    for n, t, pg in rows:
+        if t != 1:
+            continue
         cells = []
         for a, b, _, _ in PEER_TARGETS:
-            ra, rb = by.get((n, 1, a)), by.get((n, 1, b))
+            ra, rb = by.get((n, 1, pg, a)), by.get((n, 1, pg, b))
             if ra and rb and ra.get("cpu_seconds") and rb.get("cpu_seconds"):
                 cells.append(ratio(rb["cpu_seconds"] / ra["cpu_seconds"]))
             else:
                 cells.append("–")
         if any(c != "–" for c in cells):
-            cpu_rows.append(f"| {fmt_size(n)} | 1 (CPU time) | " + " | ".join(cells) + " |")
-    md += cpu_rows
+            md.append(f"| {fmt_size(n)} | 1 (CPU time) | {pg} | " + " | ".join(cells) + " |")
     for i, (a, b, floor, label) in enumerate(PEER_TARGETS):
-        xs = got[i]
-        if xs:
-            worst = min(x[2] for x in xs)
-            targets.append((label + " (≥ 16Mi elements, every thread count)",
-                            f"{worst:.2f}–{max(x[2] for x in xs):.2f}× (lowest at "
-                            f"{fmt_size(min(xs, key=lambda x: x[2])[0])}, "
-                            f"{min(xs, key=lambda x: x[2])[1]} thread(s))", worst >= floor))
+        if floor is None:
+            continue
+        for pg in pages:
+            xs = [x for x in got[i] if x[2] == pg]
+            if xs:
+                worst = min(xs, key=lambda x: x[3])
+                targets.append((label + f" (≥ 16Mi elements, every thread count, {pg} pages)",
+                                f"{worst[3]:.2f}–{max(x[3] for x in xs):.2f}× (lowest at "
+                                f"{fmt_size(worst[0])}, {worst[1]} thread(s))",
+                                worst[3] >= floor))
     if plt:
         fig, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), 4.2), squeeze=False)
+        series = [(t, pg) for t in threads for pg in pages]
         for ax, n in zip(axes[0], sizes):
-            w = 0.8 / max(len(threads), 1)
-            for j, t in enumerate(threads):
+            w = 0.8 / max(len(series), 1)
+            for j, (t, pg) in enumerate(series):
                 xs = [i + j * w for i in range(len(names))]
-                ax.bar(xs, [by[(n, t, x)]["gelems"] if (n, t, x) in by else 0 for x in names],
-                       width=w, label=f"{t} thread(s)")
-            ax.set_xticks([i + w * (len(threads) - 1) / 2 for i in range(len(names))])
+                ax.bar(xs, [by[(n, t, pg, x)]["gelems"] if (n, t, pg, x) in by else 0
+                            for x in names], width=w, label=f"{t} thread(s), {pg} pages")
+            ax.set_xticks([i + w * (len(series) - 1) / 2 for i in range(len(names))])
             ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
             ax.set_ylabel("Gelem/s")
             ax.set_title(f"AdamW step, {fmt_size(n)} elements")
             ax.grid(True, axis="y", alpha=0.3)
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(os.path.join(out, "peers.png"), dpi=90)
         plt.close(fig)
