@@ -490,6 +490,16 @@ PEER_TARGETS = (  # (ours, theirs, floor, label); floor None: reported, not a ta
 )
 
 
+def paired_ratio(ours, theirs):
+    """Time of theirs / time of ours: the median over repetitions of the two contenders' ratio
+    within one repetition (they ran within a second of each other, so the machine's slow swings
+    in memory bandwidth cancel), or the ratio of the medians where repetitions are not saved."""
+    ra, rb = ours.get("reps"), theirs.get("reps")
+    if ra and rb and len(ra) == len(rb):
+        return statistics.median(y / x for x, y in zip(ra, rb))
+    return theirs["seconds"] / ours["seconds"]
+
+
 def peers(paths, out, plt, targets):
     res, meta = [], {}
     for p in paths:
@@ -527,7 +537,8 @@ def peers(paths, out, plt, targets):
                  for x in names]
         if any(c != "–" for c in cells):
             md.append(f"| {fmt_size(n)} | {t} | {pg} | " + " | ".join(cells) + " |")
-    md += ["", "Same-run ratios (time of theirs / time of ours):", "",
+    md += ["", "Same-run ratios (time of theirs / time of ours; median over repetitions of the "
+           "ratio within each repetition):", "",
            "| elements | threads | pages | " +
            " | ".join(f"{a} / {b}" for a, b, _, _ in PEER_TARGETS) + " |",
            "|---:|---:|---|" + "---:|" * len(PEER_TARGETS)]
@@ -537,7 +548,7 @@ def peers(paths, out, plt, targets):
         for i, (a, b, _, _) in enumerate(PEER_TARGETS):
             ra, rb = by.get((n, t, pg, a)), by.get((n, t, pg, b))
             if ra and rb:
-                q = rb["seconds"] / ra["seconds"]
+                q = paired_ratio(ra, rb)
                 cells.append(ratio(q))
                 if n >= (16 << 20):
                     got[i].append((n, t, pg, q))
