@@ -102,15 +102,13 @@ __attribute__((visibility("default"))) void shardkit_peer_stream_fp32(void* team
                                                                       float* m, float* v,
                                                                       const float* g,
                                                                       std::size_t n) {
-  shardkit::host::parallel_for(exec(team), n, shardkit::host::step_grain,
-                               [&](std::size_t b, std::size_t e) {
-                                 shardkit::dispatch<stream_kernel>(p + b, m + b, v + b, g + b,
-                                                                   e - b);
-                               });
+  shardkit::host::parallel_for(
+      exec(team), n, shardkit::host::step_grain, [&](std::size_t b, std::size_t e) {
+        shardkit::dispatch<stream_kernel>(p + b, m + b, v + b, g + b, e - b);
+      });
 }
 
-__attribute__((visibility("default"))) void* shardkit_peer_own_new(const float* p0,
-                                                                   const float* g0,
+__attribute__((visibility("default"))) void* shardkit_peer_own_new(const float* p0, const float* g0,
                                                                    std::size_t n) {
   return new own_buffers(p0, g0, n);
 }
@@ -119,12 +117,14 @@ __attribute__((visibility("default"))) void shardkit_peer_own_free(void* own) {
   delete static_cast<own_buffers*>(own);
 }
 
-__attribute__((visibility("default"))) void shardkit_peer_own_adamw_fp32(
-    void* team, void* own, std::uint64_t step, float lr, float beta1, float beta2, float eps,
-    float weight_decay) {
+__attribute__((visibility("default"))) void shardkit_peer_own_adamw_fp32(void* team, void* own,
+                                                                         std::uint64_t step,
+                                                                         float lr, float beta1,
+                                                                         float beta2, float eps,
+                                                                         float weight_decay) {
   auto& b = *static_cast<own_buffers*>(own);
-  shardkit_peer_adamw_fp32(team, b.p.data(), b.m.data(), b.v.data(), b.g.data(), b.p.size(),
-                           step, lr, beta1, beta2, eps, weight_decay);
+  shardkit_peer_adamw_fp32(team, b.p.data(), b.m.data(), b.v.data(), b.g.data(), b.p.size(), step,
+                           lr, beta1, beta2, eps, weight_decay);
 }
 
 __attribute__((visibility("default"))) void shardkit_peer_adamw_bf16(
