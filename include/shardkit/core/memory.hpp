@@ -80,12 +80,12 @@ constexpr bool long_lived(memory_category c) noexcept {
 //! on Linux, advised to use transparent huge pages (madvise MADV_HUGEPAGE; the stagger above stays
 //! within the first 4 KiB). A step that streams seven arrays of tens of megabytes misses the
 //! TLB on every 4 KiB of every array otherwise, and under a hypervisor each miss walks two page
-//! tables: on this kind of machine (a VM) the fused fp32 AdamW step ran 1.3-1.5x faster on
-//! 2 MiB pages (benchmarks/README.md). The advice changes speed only, never values; a kernel
-//! without transparent huge pages ignores it. Only whole 2 MiB ranges get huge pages, so the
-//! resident memory stays what was asked for; the 2 MiB alignment is address space, not memory.
-//! Transient buffers (ZeRO-3's gathered units, I/O staging) are left on ordinary pages: they are
-//! allocated and freed every step, and faulting in fresh huge pages each time (the kernel
+//! tables: on this kind of machine (a VM) the fused fp32 AdamW step ran 1.03-1.28x faster on
+//! 2 MiB pages, median about 1.1x (benchmarks/README.md). The advice changes speed only, never
+//! values; a kernel without transparent huge pages ignores it. Only whole 2 MiB ranges get huge
+//! pages, so the resident memory stays what was asked for; the 2 MiB alignment is address space,
+//! not memory. Transient buffers (ZeRO-3's gathered units, I/O staging) are left on ordinary pages:
+//! they are allocated and freed every step, and faulting in fresh huge pages each time (the kernel
 //! clears 2 MiB per fault) made a ZeRO-3 step of 4M parameters 1.4x slower.
 //! `SHARDKIT_HUGE_PAGES=0` turns the advice off (`1`, the default, keeps it on); any other
 //! value is an invalid_argument error at the next large allocation.
@@ -97,8 +97,6 @@ struct space_allocator<host_space> {
   static constexpr std::size_t stagger_slots = page / stagger_step;
   static constexpr std::size_t stagger_threshold = std::size_t{64} << 10;
 
-  //! `bytes` bytes; for a large allocation, byte `hot` of them lands on the next stagger slot
-  //! (within 64 bytes: the block stays 64-byte aligned).
   static constexpr std::size_t huge_page = std::size_t{2} << 20;
   static constexpr std::size_t huge_threshold = huge_page;
 
