@@ -261,9 +261,62 @@ class mpi_state {
       op.error = std::current_exception();
       op.stage = 2;
       broken_ = concat(op.what(), " failed on ", me());
+      if (!settle()) {
+        broken_ +=
+            "; parts of it, or of the collectives issued after it, are still in flight "
+            "and MPI may still write into their buffers";
+      }
     }
     return true;
   }
+
+  // A collective failed, and its wait() (and that of every collective queued behind it) throws
+  // now, so the callers free their buffers. MPI cannot withdraw the parts still in flight and
+  // would write into those buffers later (a rank whose signature mismatch is found first still
+  // has its data receive pending). Gives them a bounded time to complete or fail; true when
+  // none is left. With a size mismatch one rank's receive fails with MPI_ERR_TRUNCATE, which
+  // Open MPI reports to MPI_COMM_WORLD's error handler (fatal by default) rather than to this
+  // communicator's, so that handler returns errors while this runs.
+  bool settle() noexcept {
+    std::vector<MPI_Request*> pending;
+    auto collect = [&](mpi_op& op) {
+      for (auto& req : op.requests) {
+        if (req != MPI_REQUEST_NULL) pending.push_back(&req);
+      }
+    };
+    for (auto& op : failed_) collect(*op);
+    for (auto& op : queue_) collect(*op);
+    if (pending.empty()) return true;
+    MPI_Errhandler previous = MPI_ERRHANDLER_NULL;
+    if (MPI_Comm_get_errhandler(MPI_COMM_WORLD, &previous) != MPI_SUCCESS) return false;
+    if (MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN) != MPI_SUCCESS) {
+      MPI_Errhandler_free(&previous);
+      return false;
+    }
+    const auto limit = opts_.timeout.count() > 0
+                           ? std::min<std::chrono::milliseconds>(opts_.timeout, settle_limit)
+                           : settle_limit;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (;;) {
+      std::size_t left = 0;
+      for (MPI_Request* req : pending) {
+        if (*req == MPI_REQUEST_NULL) continue;
+        int flag = 0;
+        if (MPI_Test(req, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) {
+          *req = MPI_REQUEST_NULL;  // it failed, and MPI is done with it
+        } else if (!flag) {
+          ++left;
+        }
+      }
+      if (left == 0 || std::chrono::steady_clock::now() - t0 > limit) {
+        MPI_Comm_set_errhandler(MPI_COMM_WORLD, previous);
+        MPI_Errhandler_free(&previous);
+        return left == 0;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  static constexpr std::chrono::milliseconds settle_limit{2000};
 
   bool requests_done(mpi_op& op) {
     for (auto& req : op.requests) {
