@@ -1,6 +1,8 @@
 // shardkit-plan --calibrate: times all-gather, reduce-scatter and all-reduce on this machine
-// (plan/calibrate.hpp), fits the alpha-beta model's link to them and prints the fitted values
-// as the flags to pass back to shardkit-plan, with a table of measured against fitted times.
+// (plan/calibrate.hpp), fits the alpha-beta model's link to them, and one link to each
+// collective alone, and prints the fitted values as the flags to pass back to shardkit-plan
+// (--intra-alpha/--intra-bw, then --intra-all-reduce-alpha/-bw etc.), with a table of measured
+// against fitted times. Its flags are parsed in options.hpp.
 //
 //   shardkit-plan --calibrate [--comm thread|mpi] [--ranks N] [--max-bytes B] [--reps K]
 //                             [--dtype bf16|fp32] [--cold-bytes B]
@@ -27,43 +29,20 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace shardkit_plan {
 
 namespace plan = shardkit::plan;
 
-constexpr const char* calibrate_usage_text =
-    "\n"
-    "usage: shardkit-plan --calibrate [--comm thread|mpi] [--ranks N] [--max-bytes B] [--reps K]\n"
-    "                          [--dtype bf16|fp32] [--cold-bytes B]\n"
-    "  calibration (prints the cluster flags above, measured on this machine)\n"
-    "    --calibrate           time all-gather, reduce-scatter and all-reduce on N ranks of one\n"
-    "                          node and fit --intra-alpha and --intra-bw to them\n"
-    "    --comm thread|mpi     in-process ranks, or the MPI world under mpiexec (the default\n"
-    "                          under an MPI launcher)\n"
-    "    --ranks N             in-process ranks to time (default 4; under MPI: the processes)\n"
-    "    --max-bytes B         largest buffer timed (default 16MiB; from 4KiB, x4 apart)\n"
-    "    --reps K              repetitions per size, median taken (default 5)\n"
-    "    --dtype bf16|fp32     element type timed, as the gradients (default bf16)\n"
-    "    --cold-bytes B        buffers per rank the calls take turns on, so that each finds\n"
-    "                          its data out of cache as a training step's do (default 256MiB;\n"
-    "                          0: one buffer reused, small sizes then time in cache)\n";
-
-//! Whether the command line asks for the calibration mode.
-inline bool wants_calibrate(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    if (std::string_view(argv[i]) == "--calibrate") return true;
-  }
-  return false;
-}
-
+//! What the flags of --calibrate ask for (options.hpp parses them).
 struct calibrate_options {
   std::string comm;  // "thread", "mpi" or empty (by launcher)
   std::uint64_t ranks = 4;
   bool ranks_given = false;
-  plan::sweep_options sweep{.cold_bytes = std::size_t{256} << 20};
-  bool help = false;
+  // bf16: the planner's default --dtype.
+  plan::sweep_options sweep{.cold_bytes = std::size_t{256} << 20, .element = shardkit::dtype::bf16};
 };
 
 //! Bytes with a unit (64KiB, 16MiB) or a plain number of bytes (65536).
@@ -72,56 +51,6 @@ inline std::uint64_t parse_plain_or_unit_bytes(std::string_view flag, std::strin
     return cli::parse_count(flag, text);
   }
   return cli::parse_bytes(flag, text);
-}
-
-inline calibrate_options parse_calibrate(int argc, char** argv) {
-  calibrate_options o;
-  o.sweep.element = shardkit::dtype::bf16;  // the planner's default --dtype
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view a = argv[i];
-    if (a == "--calibrate") continue;
-    if (a == "--help" || a == "-h") {
-      o.help = true;
-      return o;
-    }
-    const bool valued = a == "--comm" || a == "--ranks" || a == "--max-bytes" || a == "--reps" ||
-                        a == "--dtype" || a == "--cold-bytes";
-    if (!valued) {
-      throw cli::bad_argument(
-          "--calibrate: unknown argument '" + std::string(a) +
-          "'; expected --comm, --ranks, --max-bytes, --reps, --dtype or --cold-bytes (see --help)");
-    }
-    if (i + 1 >= argc) throw cli::bad_argument(std::string(a) + ": missing value (see --help)");
-    const std::string_view v = argv[++i];
-    if (a == "--comm") {
-      if (v != "thread" && v != "mpi")
-        cli::fail(a, v, "is not a communicator; expected thread or mpi");
-      o.comm = std::string(v);
-    } else if (a == "--ranks") {
-      o.ranks = cli::parse_count(a, v);
-      o.ranks_given = true;
-      if (o.ranks < 2 || o.ranks > 256) cli::fail(a, v, "must be 2..256 ranks to calibrate on");
-    } else if (a == "--max-bytes") {
-      const std::uint64_t b = parse_plain_or_unit_bytes(a, v);
-      if (b < 4 * o.sweep.min_bytes || b > (std::uint64_t{1} << 30)) {
-        cli::fail(a, v, "must be 16KiB..1GiB (the sweep starts at 4KiB and needs two sizes)");
-      }
-      o.sweep.max_bytes = static_cast<std::size_t>(b);
-    } else if (a == "--cold-bytes") {
-      const std::uint64_t b = v == "0" ? 0 : parse_plain_or_unit_bytes(a, v);
-      if (b > (std::uint64_t{16} << 30)) cli::fail(a, v, "must be 0..16GiB");
-      o.sweep.cold_bytes = static_cast<std::size_t>(b);
-    } else if (a == "--dtype") {
-      o.sweep.element = cli::parse_dtype(a, v);
-      if (o.sweep.element == shardkit::dtype::f16)
-        cli::fail(a, v, "is not timed; expected bf16 or fp32");
-    } else {
-      const std::uint64_t k = cli::parse_count(a, v);
-      if (k < 1 || k > 1000) cli::fail(a, v, "must be 1..1000 repetitions");
-      o.sweep.reps = static_cast<int>(k);
-    }
-  }
-  return o;
 }
 
 //! "3.1us", "850ns", "1.2ms": a duration shardkit-plan's --*-alpha flags parse back.
@@ -151,10 +80,22 @@ inline std::string format_bandwidth_flag(double bytes_per_s) {
   return buf;
 }
 
-//! The flags that put a calibration of `ranks` ranks on one node into shardkit-plan.
-inline std::string calibration_flags(const plan::link& l, std::uint64_t ranks) {
-  return "--gpus-per-node " + std::to_string(ranks) + " --intra-alpha " +
-         format_duration_flag(l.latency_s) + " --intra-bw " + format_bandwidth_flag(l.bytes_per_s);
+//! The flags that put a calibration of `ranks` ranks on one node into shardkit-plan: the one
+//! link, then each collective's own link that `per` has (--intra-all-reduce-alpha/-bw etc.).
+inline std::string calibration_flags(const plan::link& l, std::uint64_t ranks,
+                                     const plan::collective_fits& per = {}) {
+  std::string flags = "--gpus-per-node " + std::to_string(ranks) + " --intra-alpha " +
+                      format_duration_flag(l.latency_s) + " --intra-bw " +
+                      format_bandwidth_flag(l.bytes_per_s);
+  for (const auto& [name, fit] :
+       {std::pair{"all-reduce", &per.all_reduce}, std::pair{"reduce-scatter", &per.reduce_scatter},
+        std::pair{"all-gather", &per.all_gather}}) {
+    if (!*fit) continue;
+    const plan::link& own = (*fit)->fitted;
+    flags += std::string(" --intra-") + name + "-alpha " + format_duration_flag(own.latency_s) +
+             " --intra-" + name + "-bw " + format_bandwidth_flag(own.bytes_per_s);
+  }
+  return flags;
 }
 
 inline std::string human_time(double s) {
@@ -217,10 +158,11 @@ inline int print_calibration(const std::vector<plan::calibration_sample>& sample
     std::printf("note: the two-parameter fit gave a negative alpha (%s); refitted with alpha = 0\n",
                 human_time(f.unconstrained_latency_s).c_str());
   }
-  // One link per collective (plan::cluster::intra_all_reduce etc. in the library; the flags
-  // above carry the single link).
+  // One link per collective (plan::cluster::intra_all_reduce etc.; the --intra-<collective>-*
+  // flags), where each collective's samples can be fitted alone.
+  plan::collective_fits per;
   try {
-    const plan::collective_fits per = plan::fit_links_per_collective(samples);
+    per = plan::fit_links_per_collective(samples);
     for (const auto& [nm, one] : {std::pair{"all_reduce", &per.all_reduce},
                                   std::pair{"reduce_scatter", &per.reduce_scatter},
                                   std::pair{"all_gather", &per.all_gather}}) {
@@ -233,8 +175,10 @@ inline int print_calibration(const std::vector<plan::calibration_sample>& sample
   } catch (const plan::calibration_error& e) {
     std::printf("  per collective: %s\n", e.what());
   }
-  std::printf("flags for shardkit-plan (a node of %llu ranks like this one):\n  %s\n",
-              static_cast<unsigned long long>(ranks), calibration_flags(f.fitted, ranks).c_str());
+  std::printf(
+      "flags for shardkit-plan (a node of %llu ranks like this one; the link, then each "
+      "collective's own):\n  %s\n",
+      static_cast<unsigned long long>(ranks), calibration_flags(f.fitted, ranks, per).c_str());
   return 0;
 }
 
@@ -270,19 +214,9 @@ inline int calibrate_mpi(int argc, char** argv, const calibrate_options& o) {
 }
 #endif
 
-//! main() of the calibration mode.
-inline int calibrate_main(int argc, char** argv, const char* usage) {
-  calibrate_options o;
-  try {
-    o = parse_calibrate(argc, argv);
-  } catch (const cli::bad_argument& e) {
-    std::fprintf(stderr, "shardkit-plan: error: %s\n(see shardkit-plan --help)\n", e.what());
-    return 2;
-  }
-  if (o.help) {
-    std::fputs(usage, stdout);
-    return 0;
-  }
+//! main() of the calibration mode, with its parsed flags.
+inline int calibrate_main([[maybe_unused]] int argc, [[maybe_unused]] char** argv,
+                          calibrate_options o) {
 #if defined(SHARDKIT_PLAN_MPI)
   const bool under_mpi = shardkit::launched_by_mpi();
 #else

@@ -1,5 +1,7 @@
 # Runs shardkit-plan --calibrate, takes the flags it prints for shardkit-plan and passes them
-# back: the planner must accept them and report the fitted link in its JSON inputs.
+# back: the planner must accept them and report the fitted links in its JSON inputs, the one
+# intra-node link and each collective's own (--intra-<collective>-alpha/-bw, printed for every
+# collective whose "<collective> alone:" fit is printed).
 #   cmake -DEXE=<shardkit-plan> -DARGS="--calibrate|--ranks|2|--max-bytes|65536"
 #         [-DLAUNCH="mpiexec|-np|2"] -P calibrate_check.cmake
 string(REPLACE "|" ";" args "${ARGS}")
@@ -16,11 +18,13 @@ foreach(expect "collective +bytes +measured +fitted +error" "all_gather" "reduce
     message(FATAL_ERROR "the output does not match '${expect}':\n${out}")
   endif()
 endforeach()
-if(NOT out MATCHES "\n  (--gpus-per-node [0-9]+ --intra-alpha [^ \n]+ --intra-bw [^ \n]+)\n")
-  message(FATAL_ERROR "no flags line '--gpus-per-node N --intra-alpha T --intra-bw BW':\n${out}")
+set(_own " --intra-(all-reduce|reduce-scatter|all-gather)-alpha [^ \n]+ --intra-[a-z-]+-bw [^ \n]+")
+if(NOT out MATCHES "\n  (--gpus-per-node [0-9]+ --intra-alpha [^ \n]+ --intra-bw [^ \n]+(${_own})*)\n")
+  message(FATAL_ERROR "no flags line '--gpus-per-node N --intra-alpha T --intra-bw BW "
+                      "[--intra-<collective>-alpha T --intra-<collective>-bw BW]...':\n${out}")
 endif()
-set(flags "${CMAKE_MATCH_1}")
-separate_arguments(flags UNIX_COMMAND "${flags}")
+set(line "${CMAKE_MATCH_1}")
+separate_arguments(flags UNIX_COMMAND "${line}")
 list(GET flags 1 gpn)
 execute_process(COMMAND "${EXE}" --params 1e6 --ranks ${gpn} --gpu-mem 1GB ${flags} --json
                 OUTPUT_VARIABLE plan ERROR_VARIABLE err RESULT_VARIABLE rc)
@@ -37,3 +41,31 @@ if(bw LESS_EQUAL 0 OR alpha LESS 0)
   message(FATAL_ERROR "intra_node link from ${flags}: bandwidth ${bw}, latency ${alpha}")
 endif()
 message(STATUS "shardkit-plan accepted ${flags}: intra_node ${bw} B/s, ${alpha} s")
+
+# Each collective fitted alone is printed as a flag pair, and comes back as its own link.
+set(own_links 0)
+foreach(op all_reduce reduce_scatter all_gather)
+  string(REPLACE "_" "-" dashed "${op}")
+  string(JSON type TYPE "${plan}" inputs intra_${op})
+  if(out MATCHES "\n  ${op} alone: alpha ")
+    if(NOT line MATCHES " --intra-${dashed}-alpha [^ ]+ --intra-${dashed}-bw [^ ]+")
+      message(FATAL_ERROR "${op} was fitted alone, but the flags do not carry it: ${line}")
+    endif()
+    if(NOT type STREQUAL "OBJECT")
+      message(FATAL_ERROR "inputs.intra_${op} is ${type} after ${flags}:\n${plan}")
+    endif()
+    string(JSON own_bw GET "${plan}" inputs intra_${op} bytes_per_s)
+    string(JSON own_alpha GET "${plan}" inputs intra_${op} latency_s)
+    if(own_bw LESS_EQUAL 0 OR own_alpha LESS 0)
+      message(FATAL_ERROR "intra_${op} from ${flags}: bandwidth ${own_bw}, latency ${own_alpha}")
+    endif()
+    math(EXPR own_links "${own_links} + 1")
+    message(STATUS "intra_${op}: ${own_bw} B/s, ${own_alpha} s")
+  elseif(NOT type STREQUAL "NULL")
+    message(FATAL_ERROR "inputs.intra_${op} is ${type}, but ${op} was not fitted alone")
+  endif()
+endforeach()
+# The fits alone fail together (one error for all) or succeed together.
+if(NOT own_links EQUAL 3 AND NOT out MATCHES "\n  per collective: ")
+  message(FATAL_ERROR "${own_links} of 3 collectives have their own link, and no reason given")
+endif()

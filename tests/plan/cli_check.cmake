@@ -1,7 +1,8 @@
 # Runs the shardkit-plan tool and checks what a user or a script relies on.
 #   cmake -DEXE=<shardkit-plan> -DMODE=<mode> -DARGS="a|b|c" [-DEXPECT=...] -P cli_check.cmake
 # ARGS are the tool's arguments separated by '|'. Modes:
-#   json   runs with --json; checks every documented key, that each stage's "fits" is
+#   json   runs with --json; checks every documented key (the per-collective links null or
+#          {bytes_per_s > 0, latency_s >= 0}), that each stage's "fits" is
 #          total <= usable_bytes (and the live limit), that recommended_stage is the lowest
 #          stage that fits, and each "path=value" in EXPECT (paths dot-separated, e.g.
 #          stages.1.bytes_per_rank.total=38500000000; recommended_stage=null)
@@ -60,6 +61,20 @@ foreach(net intra_node inter_node)
   foreach(key bytes_per_s latency_s)
     get_json(v inputs ${net} ${key})
   endforeach()
+endforeach()
+# Each collective's own intra-node link: null (it uses intra_node) or {bytes_per_s, latency_s}.
+foreach(op intra_all_reduce intra_reduce_scatter intra_all_gather)
+  get_json(v inputs ${op})
+  string(JSON type TYPE "${out}" inputs ${op})
+  if(type STREQUAL "OBJECT")
+    get_json(bw inputs ${op} bytes_per_s)
+    get_json(alpha inputs ${op} latency_s)
+    if(bw LESS_EQUAL 0 OR alpha LESS 0)
+      message(FATAL_ERROR "inputs.${op}: bandwidth ${bw}, latency ${alpha}")
+    endif()
+  elseif(NOT type STREQUAL "NULL")
+    message(FATAL_ERROR "inputs.${op} is ${type}, expected an object or null")
+  endif()
 endforeach()
 get_json(usable inputs usable_bytes)
 
