@@ -277,5 +277,21 @@ SHARDKIT_DETAIL_SIMD_FN vf<Isa::width> store_rounded_partial(T* p, vf<Isa::width
   return r;
 }
 
+//! Asks the CPU to bring the cache line holding `p` towards its first-level cache before a loop
+//! reads it: a hint that never faults and never changes a result.
+SHARDKIT_FORCEINLINE void prefetch(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 3);
+#else
+  (void)p;
+#endif
+}
+
+//! prefetch() of element `i` of every array given.
+template <class... T>
+SHARDKIT_FORCEINLINE void prefetch_at(std::size_t i, const T*... arrays) {
+  (prefetch(arrays + i), ...);
+}
+
 }  // namespace simd
 SHARDKIT_NAMESPACE_END
