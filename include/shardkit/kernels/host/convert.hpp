@@ -20,6 +20,11 @@
 SHARDKIT_NAMESPACE_BEGIN
 namespace host {
 
+//! How far ahead the casts prefetch, in elements (2 KiB of fp32 input). Measured on an Intel
+//! Xeon (AVX-512, one thread, against the loop without it): fp32 -> bf16 1.06x at 16Mi
+//! elements and 1.22x at 64Mi, the flatten fp32 -> bf16 1.17x and 1.34x (benchmarks/README.md).
+inline constexpr std::size_t convert_prefetch = 512;
+
 namespace detail {
 template <class S, class D>
 struct convert_kernel {
@@ -27,6 +32,18 @@ struct convert_kernel {
   SHARDKIT_FORCEINLINE static void run(const S* in, D* out, std::size_t n) {
     constexpr std::size_t L = Isa::width;
     std::size_t i = 0;
+    // While convert_prefetch elements are left, each pair of vectors also asks for the input
+    // line that far ahead, and for the output line with intent to write.
+    if (n > convert_prefetch) {
+      for (; i + 2 * L <= n - convert_prefetch; i += 2 * L) {
+        simd::prefetch_at(i + convert_prefetch, in);
+        simd::prefetch_for_write(out + i + convert_prefetch);
+        const auto a = simd::load<Isa>(in + i);
+        const auto b = simd::load<Isa>(in + i + L);
+        simd::store<Isa>(out + i, a);
+        simd::store<Isa>(out + i + L, b);
+      }
+    }
     for (; i + 2 * L <= n; i += 2 * L) {  // two vectors per iteration: more loads in flight
       const auto a = simd::load<Isa>(in + i);
       const auto b = simd::load<Isa>(in + i + L);

@@ -287,6 +287,16 @@ SHARDKIT_FORCEINLINE void prefetch(const void* p) {
 #endif
 }
 
+//! The same for a line the loop will write (with intent to write: the line arrives owned,
+//! and the store does not wait for it).
+SHARDKIT_FORCEINLINE void prefetch_for_write(void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 1, 3);
+#else
+  (void)p;
+#endif
+}
+
 //! prefetch() of element `i` of every array given.
 template <class... T>
 SHARDKIT_FORCEINLINE void prefetch_at(std::size_t i, const T*... arrays) {
