@@ -28,6 +28,16 @@ inline constexpr std::size_t convert_prefetch = 512;
 namespace detail {
 template <class S, class D>
 struct convert_kernel {
+  //! Two vectors from element i: more loads in flight than one.
+  template <class Isa>
+  SHARDKIT_FORCEINLINE static void two(const S* in, D* out, std::size_t i) {
+    constexpr std::size_t L = Isa::width;
+    const auto a = simd::load<Isa>(in + i);
+    const auto b = simd::load<Isa>(in + i + L);
+    simd::store<Isa>(out + i, a);
+    simd::store<Isa>(out + i + L, b);
+  }
+
   template <class Isa>
   SHARDKIT_FORCEINLINE static void run(const S* in, D* out, std::size_t n) {
     constexpr std::size_t L = Isa::width;
@@ -38,18 +48,10 @@ struct convert_kernel {
       for (; i + 2 * L <= n - convert_prefetch; i += 2 * L) {
         simd::prefetch_at(i + convert_prefetch, in);
         simd::prefetch_for_write(out + i + convert_prefetch);
-        const auto a = simd::load<Isa>(in + i);
-        const auto b = simd::load<Isa>(in + i + L);
-        simd::store<Isa>(out + i, a);
-        simd::store<Isa>(out + i + L, b);
+        two<Isa>(in, out, i);
       }
     }
-    for (; i + 2 * L <= n; i += 2 * L) {  // two vectors per iteration: more loads in flight
-      const auto a = simd::load<Isa>(in + i);
-      const auto b = simd::load<Isa>(in + i + L);
-      simd::store<Isa>(out + i, a);
-      simd::store<Isa>(out + i + L, b);
-    }
+    for (; i + 2 * L <= n; i += 2 * L) two<Isa>(in, out, i);
     for (; i + L <= n; i += L) simd::store<Isa>(out + i, simd::load<Isa>(in + i));
     if (i < n) {
       simd::store_partial<Isa>(out + i, simd::load_partial<Isa>(in + i, n - i), n - i);

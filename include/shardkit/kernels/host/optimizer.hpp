@@ -77,7 +77,7 @@ struct fused_step_kernel {
       }
     }
     for (; i + L <= n; i += L) one<Isa>(kk, p, st, g, out, i, L);
-    if constexpr (L > 1) {
+    if constexpr (L > 1) {  // one lane leaves no tail (and GCC 12 cannot see that here)
       if (i < n) one<Isa>(kk, p, st, g, out, i, n - i);
     }
   }
