@@ -2,16 +2,18 @@
 //
 //  convert/flatten_bf16      a model's bf16 gradients (uneven sizes, transformer-like) copied
 //                            into the flat buffer of core/layout.hpp (4 ranks, 64-element
-//                            alignment) with host::convert, and the padding zeroed: what an
-//                            engine does with each gradient a framework hands over
+//                            alignment), and the padding zeroed, in one host::batched_copy
 //  convert/flatten_f32_bf16  the same from fp32 gradients (flatten and cast in one pass)
-//  convert/cast_<from>_<to>  host::convert between fp32, bf16 and fp16 over one array
+//  convert/cast_<from>_<to>  host::convert between fp32, bf16 and fp16 over one array (streaming
+//                            stores from host::streaming_threshold() on)
+//  convert/cast_<..>_cached  the same with ordinary stores, at the sizes where the casts stream
 //  convert/memcpy            baseline: memcpy of half the traffic (so the same bytes move)
 //
 // `bytes` (and bytes_per_second) count the traffic: bytes read plus bytes written. Each
 // operation is compared with the memcpy run of the same `bytes`.
 #include <shardkit/core/dtype.hpp>
 #include <shardkit/core/layout.hpp>
+#include <shardkit/kernels/host/batched_copy.hpp>
 #include <shardkit/kernels/host/convert.hpp>
 
 #include "common.hpp"
@@ -74,27 +76,35 @@ void bm_flatten(benchmark::State& state, std::size_t target) {
     fill(grads.back().data(), n);
   }
   auto flat = bench::make_array<bf16>(fc.padded());
-  for (auto _ : state) {
+  // each tensor, then the padding at the end of its group (core/layout.hpp)
+  std::vector<typename shardkit::host::batched_copy<S, bf16>::item> items;
+  for (std::size_t i = 0; i < fc.sizes.size(); ++i) {
+    items.push_back({grads[i].data(), flat.data() + fc.layout.param(i).offset, fc.sizes[i], 0});
+  }
+  for (const auto& g : fc.layout.groups()) {
+    if (g.padded == g.numel) continue;
     for (std::size_t i = 0; i < fc.sizes.size(); ++i) {
-      shardkit::host::convert(grads[i].data(), flat.data() + fc.layout.param(i).offset,
-                              fc.sizes[i]);
+      if (fc.layout.param(i).offset + fc.sizes[i] == g.offset + g.numel) {
+        items[i].zero_fill = g.padded - g.numel;
+      }
     }
-    for (const auto& g : fc.layout.groups()) {
-      std::fill(flat.data() + g.offset + g.numel, flat.data() + g.offset + g.padded, bf16{});
-    }
+  }
+  const shardkit::host::batched_copy<S, bf16> flatten(items);
+  for (auto _ : state) {
+    flatten.run();
     benchmark::ClobberMemory();
   }
   bench::set_bytes(state, fc.traffic<S>());
   state.counters["elements"] = static_cast<double>(fc.numel);
 }
 
-template <class S, class D>
+template <class S, class D, shardkit::host::stores How = shardkit::host::stores::automatic>
 void bm_cast(benchmark::State& state, std::size_t n) {
   auto in = bench::make_array<S>(n);
   auto out = bench::make_array<D>(n);
   fill(in.data(), n);
   for (auto _ : state) {
-    shardkit::host::convert(in.data(), out.data(), n);
+    shardkit::host::convert(in.data(), out.data(), n, How);
     benchmark::ClobberMemory();
   }
   bench::set_bytes(state, static_cast<double>(n * (sizeof(S) + sizeof(D))));
@@ -134,6 +144,12 @@ void register_all(bench::size_set s) {
     reg("convert/cast_bf16_f32" + tail, bm_cast<bf16, float>, n);
     reg("convert/cast_f32_f16" + tail, bm_cast<float, fp16>, n);
     reg("convert/cast_f16_f32" + tail, bm_cast<fp16, float>, n);
+    if (n * 6 >= shardkit::host::streaming_threshold()) {
+      // where the casts stream: the same casts with ordinary stores
+      constexpr auto cached = shardkit::host::stores::cached;
+      reg("convert/cast_f32_bf16_cached" + tail, bm_cast<float, bf16, cached>, n);
+      reg("convert/cast_bf16_f32_cached" + tail, bm_cast<bf16, float, cached>, n);
+    }
     traffic.insert(6 * n);
   }
   for (std::size_t t : traffic) reg("convert/memcpy/bytes:" + std::to_string(t), bm_memcpy, t);

@@ -16,12 +16,14 @@
 #include <shardkit/core/memory.hpp>
 #include <shardkit/core/reduce_op.hpp>
 #include <shardkit/core/tensor.hpp>
+#include <shardkit/kernels/host/batched_copy.hpp>
 #include <shardkit/kernels/host/convert.hpp>
 #include <shardkit/kernels/host/dispatch.hpp>
 #include <shardkit/kernels/host/optimizer.hpp>
 #include <shardkit/kernels/host/reduce.hpp>
 #include <shardkit/kernels/host/simd.hpp>
 #include <shardkit/kernels/host/simd_storage.hpp>
+#include <shardkit/kernels/host/streaming.hpp>
 #include <shardkit/kernels/math.hpp>
 #include <shardkit/plan/calibrate.hpp>
 #include <shardkit/plan/formulas.hpp>

@@ -11,9 +11,11 @@
 #include <shardkit/kernels/host/dispatch.hpp>
 #include <shardkit/kernels/host/parallel.hpp>
 #include <shardkit/kernels/host/simd_storage.hpp>
+#include <shardkit/kernels/host/streaming.hpp>
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -39,7 +41,17 @@ struct convert_kernel {
   }
 
   template <class Isa>
-  SHARDKIT_FORCEINLINE static void run(const S* in, D* out, std::size_t n) {
+  SHARDKIT_FORCEINLINE static void run(const S* in, D* out, std::size_t n, bool stream) {
+    if constexpr (simd::has_stream_stores<Isa>) {
+      if (stream && reinterpret_cast<std::uintptr_t>(out) % sizeof(D) == 0) {
+        return run_streaming<Isa>(in, out, n);
+      }
+    }
+    run_cached<Isa>(in, out, n);
+  }
+
+  template <class Isa>
+  SHARDKIT_FORCEINLINE static void run_cached(const S* in, D* out, std::size_t n) {
     constexpr std::size_t L = Isa::width;
     std::size_t i = 0;
     // While convert_prefetch elements are left, each pair of vectors also asks for the input
@@ -53,6 +65,43 @@ struct convert_kernel {
     }
     for (; i + 2 * L <= n; i += 2 * L) two<Isa>(in, out, i);
     for (; i + L <= n; i += L) simd::store<Isa>(out + i, simd::load<Isa>(in + i));
+    tail<Isa>(in, out, i, n);
+  }
+
+  //! The same bits with streaming stores: the first elements, up to where a vector of output
+  //! is aligned to its size, and the last ones, shorter than a vector, go through the
+  //! partial-vector code (as every tail does); the whole vectors in between stream.
+  template <class Isa>
+  SHARDKIT_FORCEINLINE static void run_streaming(const S* in, D* out, std::size_t n) {
+    constexpr std::size_t L = Isa::width;
+    constexpr std::size_t vector_bytes = L * sizeof(D);
+    const std::size_t misalign = reinterpret_cast<std::uintptr_t>(out) % vector_bytes;
+    const std::size_t head = std::min(n, (vector_bytes - misalign) % vector_bytes / sizeof(D));
+    tail<Isa>(in, out, 0, head);
+    std::size_t i = head;
+    if (n - i > convert_prefetch) {
+      for (; i + 2 * L <= n - convert_prefetch; i += 2 * L) {
+        simd::prefetch_at(i + convert_prefetch, in);
+        two_streaming<Isa>(in, out, i);
+      }
+    }
+    for (; i + L <= n; i += L) simd::store_stream<Isa>(out + i, simd::load<Isa>(in + i));
+    tail<Isa>(in, out, i, n);
+    simd::stream_fence();
+  }
+
+  template <class Isa>
+  SHARDKIT_FORCEINLINE static void two_streaming(const S* in, D* out, std::size_t i) {
+    constexpr std::size_t L = Isa::width;
+    const auto a = simd::load<Isa>(in + i);
+    const auto b = simd::load<Isa>(in + i + L);
+    simd::store_stream<Isa>(out + i, a);
+    simd::store_stream<Isa>(out + i + L, b);
+  }
+
+  //! Elements i to n (fewer than a vector), through the partial-vector code.
+  template <class Isa>
+  SHARDKIT_FORCEINLINE static void tail(const S* in, D* out, std::size_t i, std::size_t n) {
     if (i < n) {
       simd::store_partial<Isa>(out + i, simd::load_partial<Isa>(in + i, n - i), n - i);
     }
@@ -78,16 +127,17 @@ struct accumulate_kernel {
 }  // namespace detail
 
 //! out[i] = in[i] converted (exact widening, or round to nearest even). `in` and `out` must not
-//! overlap unless they are the same array of the same type.
+//! overlap unless they are the same array of the same type. `how` says whether the output is
+//! written with streaming stores (kernels/host/streaming.hpp); the bits are the same.
 template <float_storage S, float_storage D>
-void convert(const S* in, D* out, std::size_t n) {
+void convert(const S* in, D* out, std::size_t n, stores how = stores::automatic) {
   if (n == 0) return;
   if constexpr (std::is_same_v<S, D>) {
     if (static_cast<const void*>(in) != static_cast<const void*>(out)) {
       std::memcpy(out, in, n * sizeof(S));
     }
   } else {
-    dispatch<detail::convert_kernel<S, D>>(in, out, n);
+    dispatch<detail::convert_kernel<S, D>>(in, out, n, streams(how, n * (sizeof(S) + sizeof(D))));
   }
 }
 
@@ -102,10 +152,16 @@ void accumulate(const S* in, D* acc, std::size_t n) {
 inline constexpr std::size_t convert_grain = 65536;
 
 //! convert on the threads of `exec` (nullptr: the caller's only); the same bits.
+//! With stores::automatic, the output streams when the bytes one thread reads and writes reach
+//! host::streaming_threshold() (a CPU's share of the cache).
 template <float_storage S, float_storage D>
-void parallel_convert(executor* exec, const S* in, D* out, std::size_t n) {
+void parallel_convert(executor* exec, const S* in, D* out, std::size_t n,
+                      stores how = stores::automatic) {
+  const std::size_t per_thread = pieces::of(exec, n, convert_grain).per;
+  const stores each =
+      streams(how, per_thread * (sizeof(S) + sizeof(D))) ? stores::streaming : stores::cached;
   parallel_for(exec, n, convert_grain,
-               [&](std::size_t b, std::size_t e) { convert(in + b, out + b, e - b); });
+               [&](std::size_t b, std::size_t e) { convert(in + b, out + b, e - b, each); });
 }
 
 //! accumulate on the threads of `exec` (nullptr: the caller's only); the same bits.
@@ -118,15 +174,15 @@ void parallel_accumulate(executor* exec, const S* in, D* acc, std::size_t n) {
 //! Converts between run-time element types (fp32, bf16, fp16), on the threads of `exec`
 //! (nullptr: the caller's only).
 inline void parallel_convert(executor* exec, const void* in, dtype in_type, void* out,
-                             dtype out_type, std::size_t n) {
+                             dtype out_type, std::size_t n, stores how = stores::automatic) {
   auto with_out = [&](const auto* src) {
     switch (out_type) {
       case dtype::f32:
-        return parallel_convert(exec, src, static_cast<float*>(out), n);
+        return parallel_convert(exec, src, static_cast<float*>(out), n, how);
       case dtype::bf16:
-        return parallel_convert(exec, src, static_cast<bf16*>(out), n);
+        return parallel_convert(exec, src, static_cast<bf16*>(out), n, how);
       case dtype::f16:
-        return parallel_convert(exec, src, static_cast<fp16*>(out), n);
+        return parallel_convert(exec, src, static_cast<fp16*>(out), n, how);
       default:
         ::shardkit::detail::raise("convert: unsupported destination element type ", name(out_type),
                                   " (expected fp32, bf16 or fp16)");
@@ -146,8 +202,9 @@ inline void parallel_convert(executor* exec, const void* in, dtype in_type, void
 }
 
 //! Converts between run-time element types (fp32, bf16, fp16).
-inline void convert(const void* in, dtype in_type, void* out, dtype out_type, std::size_t n) {
-  parallel_convert(nullptr, in, in_type, out, out_type, n);
+inline void convert(const void* in, dtype in_type, void* out, dtype out_type, std::size_t n,
+                    stores how = stores::automatic) {
+  parallel_convert(nullptr, in, in_type, out, out_type, n, how);
 }
 
 //! acc[i] += in[i] for a run-time source element type (fp32, bf16, fp16), on the threads of

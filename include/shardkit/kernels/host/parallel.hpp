@@ -217,7 +217,7 @@ template <class F>
 void parallel_pieces(executor* exec, std::size_t n, std::size_t grain, F&& f) {
   if (n == 0) return;
   const pieces p = pieces::of(exec, n, grain);
-  if (p.count <= 1) {
+  if (p.count <= 1 || exec == nullptr) {
     f(std::size_t{0}, std::size_t{0}, n);
     return;
   }

@@ -277,6 +277,52 @@ SHARDKIT_DETAIL_SIMD_FN vf<Isa::width> store_rounded_partial(T* p, vf<Isa::width
   return r;
 }
 
+//! Whether the build `Isa` has streaming stores (store_stream): the AVX2 and AVX-512 builds
+//! with GCC on x86-64 (the instructions are named in asm, as the conversions are).
+template <class Isa>
+inline constexpr bool has_stream_stores =
+#if defined(SHARDKIT_DETAIL_HOST_ASM)
+    Isa::width >= 8;
+#else
+    false;
+#endif
+
+//! Stores Isa::width floats to fp32/bf16/fp16 storage as store() does (the same bits), with a
+//! streaming (non-temporal) store: the line goes to memory without being read first and
+//! without displacing the cache. `p` must be aligned to the vector's size in storage
+//! (Isa::width * sizeof(T) bytes). Only in builds with has_stream_stores<Isa>; the stores are
+//! weakly ordered until stream_fence().
+template <class Isa, class T>
+SHARDKIT_DETAIL_SIMD_FN void store_stream(T* p, vf<Isa::width> x) {
+  static_assert(has_stream_stores<Isa>, "simd::store_stream: not in this build");
+#if defined(SHARDKIT_DETAIL_HOST_ASM)
+  if constexpr (std::is_same_v<T, float>) {
+    __asm__ volatile("vmovntps %1, (%0)" : : "r"(p), "v"(x.v) : "memory");
+  } else {
+    static_assert(std::is_same_v<T, bf16> || std::is_same_v<T, fp16>,
+                  "simd::store_stream: element type must be float, bf16 or fp16");
+    vh<Isa::width> h;
+    if constexpr (std::is_same_v<T, bf16>) {
+      h = to_bf16<Isa>(x);
+    } else {
+      h = to_fp16<Isa>(x);
+    }
+    __asm__ volatile("vmovntdq %1, (%0)" : : "r"(p), "v"(h.v) : "memory");
+  }
+#else
+  (void)p;
+  (void)x;
+#endif
+}
+
+//! Orders the streaming stores issued so far before any later store of this thread (SFENCE),
+//! so that a thread that sees a later flag also sees them.
+SHARDKIT_FORCEINLINE void stream_fence() {
+#if defined(SHARDKIT_DETAIL_HOST_ASM)
+  __asm__ volatile("sfence" : : : "memory");
+#endif
+}
+
 //! Asks the CPU to bring the cache line holding `p` towards its first-level cache before a loop
 //! reads it: a hint that never faults and never changes a result.
 SHARDKIT_FORCEINLINE void prefetch(const void* p) {
