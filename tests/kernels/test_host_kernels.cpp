@@ -7,6 +7,8 @@
 #include <shardkit/kernels/host/reduce.hpp>
 #include <shardkit/kernels/math.hpp>
 
+#include "kernels/support.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <bit>
@@ -18,37 +20,11 @@
 #include <vector>
 
 using namespace shardkit;
+using namespace kernel_test;
 
 namespace {
-// Runs f() once in every build of the host loops this CPU runs. Sections inside f name the
-// build (DYNAMIC_SECTION): a plain SECTION met again in a loop would run in the first build only.
-template <class F>
-void in_every_build(F&& f) {
-  for (host::isa i : host::available_isas()) {
-    host::scoped_isa forced(i);
-    INFO("host loops: " << host::name(i) << " build");
-    f();
-  }
-}
-// The bit pattern of a stored value (fp32, bf16 or fp16).
-template <class T>
-std::uint32_t pattern(T x) {
-  if constexpr (std::is_same_v<T, float>)
-    return std::bit_cast<std::uint32_t>(x);
-  else
-    return x.bits;
-}
 // The widest vector of any build, for "every tail" loops.
 constexpr std::size_t L = simd::max_width;
-std::uint64_t splitmix(std::uint64_t& s) {
-  std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-float random_float(std::uint64_t& s, float scale = 1.0f) {
-  return scale * static_cast<float>(static_cast<double>(splitmix(s) >> 11) * 0x1.0p-53 * 2 - 1);
-}
 }  // namespace
 
 TEST_CASE("host kernels report their build", "[kernels]") {

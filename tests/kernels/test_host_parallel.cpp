@@ -11,6 +11,7 @@
 #include <shardkit/zero/engine.hpp>
 #include <shardkit/zero/shard_optimizer.hpp>
 
+#include "kernels/support.hpp"
 #include "zero/engine_harness.hpp"
 
 #include <catch2/catch.hpp>
@@ -29,23 +30,9 @@
 using namespace shardkit;
 using Catch::Matchers::Contains;
 
+using namespace kernel_test;
+
 namespace {
-std::uint64_t splitmix(std::uint64_t& s) {
-  std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-float random_float(std::uint64_t& s, float scale = 1.0f) {
-  return scale * static_cast<float>(static_cast<double>(splitmix(s) >> 11) * 0x1.0p-53 * 2 - 1);
-}
-template <class T>
-std::uint32_t pattern(T x) {
-  if constexpr (std::is_same_v<T, float>)
-    return std::bit_cast<std::uint32_t>(x);
-  else
-    return x.bits;
-}
 template <class T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   if (a.size() != b.size()) return false;
@@ -53,28 +40,6 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
     if (pattern(a[i]) != pattern(b[i])) return false;
   return true;
 }
-
-// Sets an environment variable for the scope, restoring the previous value.
-class scoped_env {
- public:
-  scoped_env(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    if (value != nullptr)
-      ::setenv(name, value, 1);
-    else
-      ::unsetenv(name);
-  }
-  ~scoped_env() {
-    if (old_)
-      ::setenv(name_, old_->c_str(), 1);
-    else
-      ::unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 // An executor of the user's kind: runs the tasks on the calling thread, last first (any order
 // must give the same result).

@@ -7,6 +7,8 @@
 #include <shardkit/kernels/host/convert.hpp>
 #include <shardkit/kernels/host/streaming.hpp>
 
+#include "kernels/support.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <bit>
@@ -18,21 +20,9 @@
 
 using namespace shardkit;
 using Catch::Matchers::Contains;
+using namespace kernel_test;
 
 namespace {
-std::uint64_t splitmix(std::uint64_t& s) {
-  std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-template <class T>
-std::uint32_t pattern(T x) {
-  if constexpr (std::is_same_v<T, float>)
-    return std::bit_cast<std::uint32_t>(x);
-  else
-    return x.bits;
-}
 // Random bit patterns of T: every class of value (NaN payloads, infinities, subnormals).
 template <class T>
 T random_pattern(std::uint64_t& s) {
@@ -86,14 +76,6 @@ void check_streaming_cast(host::stores how) {
   }
 }
 
-template <class F>
-void in_every_build(F&& f) {
-  for (host::isa i : host::available_isas()) {
-    host::scoped_isa forced(i);
-    INFO("host loops: " << host::name(i) << " build");
-    f();
-  }
-}
 }  // namespace
 
 TEST_CASE("streaming casts write the bits of the scalar conversion, and only their output",
@@ -128,22 +110,20 @@ TEST_CASE("the streaming threshold: the cache share by default, SHARDKIT_STREAMI
                                              << host::streaming_threshold() << " bytes");
   CHECK(fallback == (share == 0 ? std::size_t{8} << 20 : share / 4));
 
-  const char* before = std::getenv("SHARDKIT_STREAMING_BYTES");
-  const std::string saved = before != nullptr ? before : "";
-  ::setenv("SHARDKIT_STREAMING_BYTES", "12345", 1);
-  CHECK(host::detail::streaming_threshold_from_environment() == 12345);
-  ::setenv("SHARDKIT_STREAMING_BYTES", "", 1);
-  CHECK(host::detail::streaming_threshold_from_environment() == fallback);
+  {
+    scoped_env set("SHARDKIT_STREAMING_BYTES", "12345");
+    CHECK(host::detail::streaming_threshold_from_environment() == 12345);
+  }
+  {
+    scoped_env empty("SHARDKIT_STREAMING_BYTES", "");
+    CHECK(host::detail::streaming_threshold_from_environment() == fallback);
+  }
   for (const char* bad : {"-1", "1e6", "12 ", "lots", "99999999999999999999999"}) {
-    ::setenv("SHARDKIT_STREAMING_BYTES", bad, 1);
+    scoped_env set("SHARDKIT_STREAMING_BYTES", bad);
     REQUIRE_THROWS_WITH(host::detail::streaming_threshold_from_environment(),
                         Contains(std::string("SHARDKIT_STREAMING_BYTES=\"") + bad + "\"") &&
                             Contains("expected a non-negative integer number of bytes"));
   }
-  if (before != nullptr)
-    ::setenv("SHARDKIT_STREAMING_BYTES", saved.c_str(), 1);
-  else
-    ::unsetenv("SHARDKIT_STREAMING_BYTES");
 
   {
     host::scoped_streaming_threshold outer(100);

@@ -30,14 +30,24 @@ inline constexpr std::size_t convert_prefetch = 512;
 namespace detail {
 template <class S, class D>
 struct convert_kernel {
+  //! One vector's store: ordinary, or streaming (Stream).
+  template <class Isa, bool Stream>
+  SHARDKIT_FORCEINLINE static void put(D* p, simd::vf<Isa::width> x) {
+    if constexpr (Stream) {
+      simd::store_stream<Isa>(p, x);
+    } else {
+      simd::store<Isa>(p, x);
+    }
+  }
+
   //! Two vectors from element i: more loads in flight than one.
-  template <class Isa>
+  template <class Isa, bool Stream = false>
   SHARDKIT_FORCEINLINE static void two(const S* in, D* out, std::size_t i) {
     constexpr std::size_t L = Isa::width;
     const auto a = simd::load<Isa>(in + i);
     const auto b = simd::load<Isa>(in + i + L);
-    simd::store<Isa>(out + i, a);
-    simd::store<Isa>(out + i + L, b);
+    put<Isa, Stream>(out + i, a);
+    put<Isa, Stream>(out + i + L, b);
   }
 
   template <class Isa>
@@ -82,21 +92,12 @@ struct convert_kernel {
     if (n - i > convert_prefetch) {
       for (; i + 2 * L <= n - convert_prefetch; i += 2 * L) {
         simd::prefetch_at(i + convert_prefetch, in);
-        two_streaming<Isa>(in, out, i);
+        two<Isa, true>(in, out, i);
       }
     }
-    for (; i + L <= n; i += L) simd::store_stream<Isa>(out + i, simd::load<Isa>(in + i));
+    for (; i + L <= n; i += L) put<Isa, true>(out + i, simd::load<Isa>(in + i));
     tail<Isa>(in, out, i, n);
     simd::stream_fence();
-  }
-
-  template <class Isa>
-  SHARDKIT_FORCEINLINE static void two_streaming(const S* in, D* out, std::size_t i) {
-    constexpr std::size_t L = Isa::width;
-    const auto a = simd::load<Isa>(in + i);
-    const auto b = simd::load<Isa>(in + i + L);
-    simd::store_stream<Isa>(out + i, a);
-    simd::store_stream<Isa>(out + i + L, b);
   }
 
   //! Elements i to n (fewer than a vector), through the partial-vector code.
