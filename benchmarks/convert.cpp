@@ -8,6 +8,9 @@
 //                            stores from host::streaming_threshold() on)
 //  convert/cast_<..>_cached  the same with ordinary stores, at the sizes where the casts stream
 //  convert/memcpy            baseline: memcpy of half the traffic (so the same bytes move)
+//  convert/cast_read_f32_bf16_{cached,streaming}
+//                            a cast fp32 -> bf16 and then a read of its output, with either kind
+//                            of store (2Mi-32Mi elements): where streaming stores start to pay
 //
 // `bytes` (and bytes_per_second) count the traffic: bytes read plus bytes written. Each
 // operation is compared with the memcpy run of the same `bytes`.
@@ -111,6 +114,24 @@ void bm_cast(benchmark::State& state, std::size_t n) {
   state.counters["elements"] = static_cast<double>(n);
 }
 
+// A cast, then a pass that reads one element of every line of its output (as the collective
+// after a flatten does), with ordinary or streaming stores: where streaming starts to pay, the
+// measurement behind host::streaming_threshold()'s default.
+template <shardkit::host::stores How>
+void bm_cast_read(benchmark::State& state, std::size_t n) {
+  auto in = bench::make_array<float>(n);
+  auto out = bench::make_array<bf16>(n);
+  fill(in.data(), n);
+  for (auto _ : state) {
+    shardkit::host::convert(in.data(), out.data(), n, How);
+    float sum = 0.0f;
+    for (std::size_t i = 0; i < n; i += 64 / sizeof(bf16)) sum += static_cast<float>(out.data()[i]);
+    benchmark::DoNotOptimize(sum);
+  }
+  bench::set_bytes(state, static_cast<double>(n * (sizeof(float) + 2 * sizeof(bf16))));
+  state.counters["elements"] = static_cast<double>(n);
+}
+
 void bm_memcpy(benchmark::State& state, std::size_t traffic) {
   const std::size_t bytes = traffic / 2;
   auto src = bench::make_array<std::byte>(bytes);
@@ -153,6 +174,18 @@ void register_all(bench::size_set s) {
     traffic.insert(6 * n);
   }
   for (std::size_t t : traffic) reg("convert/memcpy/bytes:" + std::to_string(t), bm_memcpy, t);
+  const auto read_sizes =
+      s == bench::size_set::tiny ? std::vector<std::size_t>{1 << 12}
+      : s == bench::size_set::quick
+          ? std::vector<std::size_t>{4 << 20}
+          : std::vector<std::size_t>{2 << 20, 4 << 20, 8 << 20, 12 << 20, 16 << 20, 32 << 20};
+  for (std::size_t n : read_sizes) {
+    const std::string tail = "/n:" + std::to_string(n);
+    reg("convert/cast_read_f32_bf16_cached" + tail, bm_cast_read<shardkit::host::stores::cached>,
+        n);
+    reg("convert/cast_read_f32_bf16_streaming" + tail,
+        bm_cast_read<shardkit::host::stores::streaming>, n);
+  }
 }
 
 }  // namespace

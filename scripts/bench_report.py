@@ -204,10 +204,13 @@ def optimizer(rows, out, plt, targets):
 def convert(rows, out, plt, targets):
     memcpy = {}
     ops = {}
+    reads = {}  # cast then read, by store kind
     for name, r in rows.items():
         _, what, k = parse(name)
         if what == "memcpy":
             memcpy[int(k["bytes"])] = r
+        elif what.startswith("cast_read_"):
+            reads.setdefault(what.rsplit("_", 1)[1], {})[int(k["n"])] = r
         else:
             ops.setdefault(what, {})[int(k["n"])] = r
     md = ["### Flatten/pad and casts", "",
@@ -239,6 +242,15 @@ def convert(rows, out, plt, targets):
         targets.append((f"{what} ≥ {floor}× memcpy",
                         f"{min(qs):.2f}–{max(qs):.2f}× (median {statistics.median(qs):.2f}×) "
                         "over all sizes", statistics.median(qs) >= floor))
+    if reads.get("cached") and reads.get("streaming"):
+        md += ["", "A cast fp32 → bf16 followed by a read of its output: time with ordinary stores "
+               "over time with streaming stores (above 1: streaming pays; "
+               "host::streaming_threshold() is set where it starts to):", "",
+               "| elements | bytes read + written by the cast | cached µs | streaming µs | "
+               "cached / streaming |", "|---:|---:|---:|---:|---:|"]
+        for n in sorted(set(reads["cached"]) & set(reads["streaming"])):
+            c, t = reads["cached"][n]["t"], reads["streaming"][n]["t"]
+            md.append(f"| {n} | {fmt_bytes(6 * n)} | {c * 1e6:.1f} | {t * 1e6:.1f} | {ratio(c / t)} |")
     if plt and ops:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for op in sorted(ops):
