@@ -12,10 +12,11 @@
 //! The quarter is measured, not derived. On an Intel Xeon whose VM reports a 480 MiB L3 for
 //! 2 CPUs (a 240 MiB share), a cast followed by a pass that reads its output ran faster with
 //! ordinary stores up to about 50 MB read and written per thread (fp32 -> bf16 at 8Mi
-//! elements), and faster with streaming stores from about 75 MB (12Mi), on 1 and on 2
-//! threads; the share reported is not what one CPU of a shared machine gets. glibc's memcpy
-//! switches to streaming at 3/4 of the share, but below that it copies with `rep movsb`, which
-//! does not read the lines it overwrites; a cast cannot.
+//! elements), about as fast either way at 75 MB (12Mi), and faster with streaming stores from
+//! 100 MB (16Mi), on 1 and on 2 threads (benchmarks/convert.cpp's cast_read pairs measure it);
+//! the share reported is not what one CPU of a shared machine gets. glibc's memcpy switches to
+//! streaming at 3/4 of the share, but below that it copies with `rep movsb`, which on that
+//! machine did not pay for reading the lines it overwrites; a cast's vector stores do.
 //!
 //! The streaming path writes the same bits (the value of a store never depends on its kind);
 //! it exists in the AVX2 and AVX-512 builds compiled by GCC (simd::has_stream_stores).
