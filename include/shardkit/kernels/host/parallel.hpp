@@ -217,6 +217,8 @@ template <class F>
 void parallel_pieces(executor* exec, std::size_t n, std::size_t grain, F&& f) {
   if (n == 0) return;
   const pieces p = pieces::of(exec, n, grain);
+  // pieces::of gives one piece without an executor; the second test says so to GCC, which
+  // otherwise warns (-Wnonnull) that exec may be null below.
   if (p.count <= 1 || exec == nullptr) {
     f(std::size_t{0}, std::size_t{0}, n);
     return;
