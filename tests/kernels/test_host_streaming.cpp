@@ -1,8 +1,9 @@
 // Streaming stores and host::batched_copy: a cast written with streaming stores holds the bits
-// of the scalar conversion in every build, at every length and every alignment of its output,
-// and writes nothing outside it; SHARDKIT_STREAMING_BYTES is read and checked; a batched copy
-// (flatten with padding) equals its items done one by one, on 1 to 3 threads and with either
-// kind of store, and refuses lists with null pointers or overlapping arrays, naming the items.
+// of the scalar conversion in every build, at every length and every alignment of its input
+// and its output, and writes nothing outside it; SHARDKIT_STREAMING_BYTES is read and checked;
+// a batched copy (flatten with padding) equals its items done one by one, on 1 to 3 threads
+// and with either kind of store, and refuses lists with null pointers or overlapping arrays,
+// naming the items.
 #include <shardkit/kernels/host/batched_copy.hpp>
 #include <shardkit/kernels/host/convert.hpp>
 #include <shardkit/kernels/host/streaming.hpp>
@@ -57,21 +58,31 @@ void check_streaming_cast(host::stores how) {
   for (std::size_t n = 0; n < 3 * L + 2; ++n) lengths.push_back(n);
   for (std::size_t n = 0; n < 2 * L + 2; ++n) lengths.push_back(host::convert_prefetch + n);
   lengths.push_back(5000);
+  // fp32 inputs also at every element offset from a 64-byte boundary, and so at every offset
+  // relative to the output (the streaming path aligns its output, so its loads are then
+  // unaligned, and split across lines).
+  const std::size_t input_offsets = std::is_same_v<S, float> ? 64 / sizeof(S) : 1;
   for (const std::size_t n : lengths) {
-    std::vector<S> in(n);
-    for (auto& x : in) x = random_pattern<S>(s);
-    for (std::size_t offset = 0; offset <= 64 / sizeof(D); ++offset) {
-      std::vector<D> out(n + offset + 2 * L, sentinel_value<D>());
-      host::convert(in.data(), out.data() + offset, n, how);
-      std::size_t wrong = out.size();  // the first element that differs
-      for (std::size_t i = 0; i < out.size() && wrong == out.size(); ++i) {
-        const bool inside = i >= offset && i < offset + n;
-        const D expect = inside ? reference<D>(in[i - offset]) : sentinel_value<D>();
-        if (pattern(out[i]) != pattern(expect)) wrong = i;
+    std::vector<S> storage(n + 64);
+    auto* const aligned =
+        reinterpret_cast<S*>((reinterpret_cast<std::uintptr_t>(storage.data()) + 63) / 64 * 64);
+    for (std::size_t in_offset = 0; in_offset < input_offsets; ++in_offset) {
+      S* const in = aligned + in_offset;
+      for (std::size_t i = 0; i < n; ++i) in[i] = random_pattern<S>(s);
+      for (std::size_t offset = 0; offset <= 64 / sizeof(D); ++offset) {
+        std::vector<D> out(n + offset + 2 * L, sentinel_value<D>());
+        host::convert(in, out.data() + offset, n, how);
+        std::size_t wrong = out.size();  // the first element that differs
+        for (std::size_t i = 0; i < out.size() && wrong == out.size(); ++i) {
+          const bool inside = i >= offset && i < offset + n;
+          const D expect = inside ? reference<D>(in[i - offset]) : sentinel_value<D>();
+          if (pattern(out[i]) != pattern(expect)) wrong = i;
+        }
+        INFO("n " << n << ", input offset " << in_offset << " and output offset " << offset
+                  << " elements from 64 bytes: element " << wrong << " differs (" << out.size()
+                  << ": none)");
+        REQUIRE(wrong == out.size());
       }
-      INFO("n " << n << ", output offset " << offset << " elements: element " << wrong
-                << " differs (" << out.size() << ": none)");
-      REQUIRE(wrong == out.size());
     }
   }
 }
