@@ -111,7 +111,7 @@ std::string replicated_by_hand(Comm& c, const mcase& mc, bool one_way, std::size
 // hook, the gathers each hook issues (prefetch), views of released and in-flight units refused,
 // the user's update of the shard gathered by the next step.
 template <class W, class Comm>
-std::string shard_params_by_hand(Comm& c, const mcase& mc, std::size_t D) {
+std::string shard_params_by_hand(Comm& c, const mcase& mc, std::size_t D, bool reuse) {
   checks check;
   const int N = c.size(), r = c.rank();
   const auto n = static_cast<std::uint64_t>(N);
@@ -126,6 +126,7 @@ std::string shard_params_by_hand(Comm& c, const mcase& mc, std::size_t D) {
   shard_params_options o;
   o.prefetch = D;
   o.trace = true;
+  o.reuse_buffers = reuse;
   shard_params<Comm, W> sp(c, layout, me, reg, o, &mem);
   for (std::size_t i = 0; i < mc.sizes.size(); ++i) sp.load(i, mv.init[i].data(), dtype::f32);
   check(mem.current(memory_category::working_params) == w * L.S, "the shard holds ",
@@ -155,7 +156,16 @@ std::string shard_params_by_hand(Comm& c, const mcase& mc, std::size_t D) {
     }
     return e * w;
   };
-  auto gathered = [&] { return mem.current(memory_category::gathered_params); };
+  // Bytes of the gathered units: what the ledger holds less the buffers kept for reuse, which
+  // must stay within the bound with them (and exist only with reuse).
+  auto gathered = [&] {
+    const std::uint64_t held = mem.current(memory_category::gathered_params);
+    const std::uint64_t spare = w * sp.spare_elems();
+    check(held <= bound * w && held >= spare, "the ledger holds ", held, " gathered bytes with ",
+          spare, " kept for reuse; the bound is ", bound * w);
+    check(reuse || spare == 0, spare, " bytes kept for reuse with reuse_buffers off");
+    return held - spare;
+  };
   // Units whose gather a hook issued.
   auto issued_since = [&](std::size_t from) {
     std::vector<std::size_t> us;
@@ -245,7 +255,12 @@ std::string shard_params_by_hand(Comm& c, const mcase& mc, std::size_t D) {
         x = from_float<W>(static_cast<float>(x) + static_cast<float>(me + 1));
       }
     }
+    check(sp.spare_elems() == 0, "after the backward ", sp.spare_elems(),
+          " elements are kept for reuse");
     sp.after_step(true);
+    check(mem.current(memory_category::gathered_params) == 0 && sp.spare_elems() == 0,
+          "after after_step() ", mem.current(memory_category::gathered_params),
+          " gathered bytes are held (", w * sp.spare_elems(), " kept for reuse)");
     c.barrier();
     std::uint64_t want = 0;  // each unit gathered for its forward and for its backward
     for (const auto& q : L.groups) want += 2 * test::comp::rs_or_ag_bytes(q.shard, n, w);
@@ -392,10 +407,87 @@ TEMPLATE_TEST_CASE("shard_params alone: gathered units after every hook, prefetc
   const int n = GENERATE(1, 2, 3, 4, 7);
   const auto mc = test::comp::models()[GENERATE(0u, 1u, 2u, 3u)];
   const std::size_t D = GENERATE(0u, 1u, 2u);
+  const bool reuse = GENERATE(false, true);
   if (!test::fits<World>(n)) return;
-  CAPTURE(World::name, n, mc.name, D);
+  CAPTURE(World::name, n, mc.name, D, reuse);
   test::require_all_ok(
-      World::run(n, [&](Comm& c) { return shard_params_by_hand<bf16>(c, mc, D); }));
+      World::run(n, [&](Comm& c) { return shard_params_by_hand<bf16>(c, mc, D, reuse); }));
+}
+
+TEMPLATE_TEST_CASE("shard_params reuses the buffers of released units, within the window",
+                   "[components][shard_params]", SHARDKIT_TEST_WORLDS) {
+  using World = TestType;
+  using Comm = typename World::comm_type;
+  const int n = GENERATE(1, 2, 3);
+  if (!test::fits<World>(n)) return;
+  // Four units of the same size, prefetch 1: a window of two units. With max_live_elems of one
+  // unit, prefetching stops and one buffer serves every gather.
+  const mcase mc{"four equal units", {5, 7, 5, 7, 5, 7, 5, 7}, {0, 2, 4, 6}};
+  const bool limited = GENERATE(false, true);
+  CAPTURE(World::name, n, limited);
+  test::require_all_ok(World::run(n, [&](Comm& c) {
+    checks check;
+    test::comp::model_values mv(mc);
+    const param_registry reg(mv.spec);
+    const flat_layout layout(mc.sizes, reg.unit_starts(), c.size());
+    const std::size_t padded = layout.group(0).padded;
+    const std::size_t window = limited ? 1 : 2;
+    memory_ledger mem;
+    shard_params_options o;
+    o.prefetch = 1;
+    o.max_live_elems = limited ? padded : 0;
+    shard_params<Comm, bf16> sp(c, layout, static_cast<std::size_t>(c.rank()), reg, o, &mem);
+    for (std::size_t i = 0; i < mc.sizes.size(); ++i) sp.load(i, mv.init[i].data(), dtype::f32);
+    sp.start();
+    auto held = [&] { return mem.current(memory_category::gathered_params); };
+    auto values_are_initial = [&](std::size_t u, const char* when) {
+      for (std::size_t i = reg.unit_begin(u); i < reg.unit_end(u); ++i) {
+        const auto v = sp.view(i);
+        for (std::size_t k = 0; k < v.size(); ++k) {
+          check(test::comp::bits_of(v[k]) ==
+                    test::comp::bits_of(from_float<bf16>(ref::init_value(i, k))),
+                when, ": p", i, "[", k, "] = ", static_cast<float>(v[k]));
+        }
+      }
+    };
+    for (int step = 0; step < 2; ++step) {
+      std::vector<const bf16*> at(4);
+      for (std::size_t u = 0; u < 4; ++u) {
+        sp.pre_forward(u);
+        at[u] = sp.view(reg.unit_begin(u)).data();
+        if (u >= window) {
+          check(at[u] == at[u - window], "step ", step, ": unit ", u,
+                " was not gathered into the buffer unit ", u - window, " released");
+        }
+        values_are_initial(u, "forward");
+        sp.post_forward(u);
+        check(held() <= window * padded * sizeof(bf16), "step ", step, ": after post_forward(", u,
+              ") ", held(), " bytes are held, more than the window of ", window, " units");
+      }
+      for (std::size_t u = 4; u-- > 0;) {
+        sp.pre_backward(u);
+        if (u == 3) {  // the first backward gather takes a buffer the forward left
+          const bf16* p = sp.view(reg.unit_begin(u)).data();
+          check(p == at[2] || p == at[3], "step ", step,
+                ": the backward's first gather did not reuse a forward buffer");
+        }
+        values_are_initial(u, "backward");
+        sp.post_backward(u);
+        check(held() <= window * padded * sizeof(bf16), "step ", step, ": after post_backward(", u,
+              ") ", held(), " bytes are held, more than the window of ", window, " units");
+      }
+      // The backward order is over: nothing is kept for a gather that will not come.
+      check(held() == 0 && sp.spare_elems() == 0, "step ", step, ": after the backward ", held(),
+            " bytes are held, ", sp.spare_elems(), " elements kept for reuse");
+      sp.after_step(false);
+      check(held() == 0 && sp.spare_elems() == 0, "step ", step, ": after after_step() ", held(),
+            " bytes are still held");
+    }
+    check(mem.peak(memory_category::gathered_params) == window * padded * sizeof(bf16),
+          "gathered parameters peaked at ", mem.peak(memory_category::gathered_params),
+          " bytes; the window is ", window, " units of ", padded * sizeof(bf16));
+    return check.failure;
+  }));
 }
 
 TEMPLATE_TEST_CASE("shard_params alone: persistent units, units kept from forward to backward",

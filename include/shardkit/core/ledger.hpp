@@ -24,7 +24,8 @@ enum class memory_category : std::uint8_t {
   grads,              //!< gradients kept across the step (full, or this rank's shard)
   master_params,      //!< fp32 master copy of the parameters (absent when training in fp32)
   optimizer_moments,  //!< optimizer state (Adam: m and v)
-  gathered_params,    //!< full parameters of gathered ZeRO-3 units (transient)
+  gathered_params,    //!< full parameters of gathered ZeRO-3 units, and released units'
+                      //!< buffers kept for reuse within the step (transient)
   grad_buckets,       //!< full-size gradient staging buckets before their reduce-scatter
   comm_scratch,       //!< other communication scratch space
   io_staging,         //!< host staging of initialisation, checkpoints and exports (transient)

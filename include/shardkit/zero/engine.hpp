@@ -513,6 +513,7 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
       o.persist_below = options_.persist_below;
       o.max_live_elems = options_.max_live_elems;
       o.trace = options_.trace;
+      o.reuse_buffers = options_.reuse_gathered_buffers;
       return params_component(topology_.shard_group(), layout_, shard_index(), registry_, o,
                               &memory_, &log_, ops_);
     } else {
@@ -549,6 +550,9 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
   void check_units_done() {
     params_.check_idle("engine::step");
     if constexpr (shards_params) {
+      // The optimizer runs with only the persistent units held (gathered buffers kept for
+      // reuse, and prefetched units the backward did not use, are freed here).
+      params_.release_transient();
       if (options_.allow_missing_grads) return;
       for (std::size_t u = 0; u < registry_.num_units(); ++u) {
         if (grads_.expected(u) == 0 || grads_.rounds(u) != 0) continue;

@@ -52,6 +52,11 @@ struct engine_options {
   //! own bound). Prefetching stops short of it; a configuration whose largest unit plus the
   //! persistent units exceeds it is rejected at construction.
   std::size_t max_live_elems = 0;
+  //! ZeRO-3, host memory: keep the buffers of released units for the next gathers of units of
+  //! the same size within a step, instead of freeing and allocating one per gather
+  //! (shard_params_options::reuse_buffers: the same bound on what is held, counted as
+  //! gathered_params; freed after the backward). Off only to measure what it saves.
+  bool reuse_gathered_buffers = true;
   //! ZeRO-2/3: at step(), check with one small all-reduce (24 bytes; shared with the overflow
   //! count when loss scaling or clipping needs one) that every rank issued the engine's
   //! collectives in the same order (same buckets/units); if not, raise usage_error on every rank

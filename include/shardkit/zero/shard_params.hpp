@@ -69,6 +69,20 @@ struct shard_params_options {
   std::size_t max_live_elems = 0;
   //! Record a timeline of gathers, waits and hooks (trace()).
   bool trace = false;
+  //! Host memory: keep the buffer of a released unit for the next gather of a unit of the same
+  //! padded size, instead of freeing it and allocating a fresh one. A fresh buffer of a unit
+  //! above the allocator's mmap threshold (a few MiB) comes from the operating system, and
+  //! every page of it faults in and is cleared by the kernel on first touch: on a ZeRO-3 step
+  //! of 134M parameters on 4 thread ranks that was most of the step (benchmarks/README.md).
+  //! Kept buffers stay counted as gathered_params (spare_elems() says how many of its elements
+  //! are kept rather than gathered); together with the gathered units they never exceed the
+  //! schedule's window (1 + prefetch transient units) or max_live_elems, so the live bound
+  //! holds for what is held. They are freed after the last unit of the backward order, and by
+  //! release_transient() and after_step(), so outside a forward and backward only the
+  //! persistent units are held, as without reuse. Device memory always frees (its
+  //! stream-ordered allocator reuses memory without faults, and a buffer may still be read by
+  //! compute queued on another stream).
+  bool reuse_buffers = true;
 };
 
 template <communicator Comm, float_storage Working>
@@ -260,11 +274,20 @@ class shard_params {
     forward_cursor_ = backward_cursor_ = 0;
   }
 
-  //! Frees every gathered unit that is not persistent.
+  //! Frees every gathered unit that is not persistent, and the buffers kept for reuse.
   void release_transient() {
     for (std::size_t u = 0; u < units_.size(); ++u) {
       if (!units_[u].persistent && units_[u].st != state::released) release(u, false);
     }
+    free_spares();
+  }
+
+  //! Elements of the buffers of released units kept for reuse (shard_params_options::
+  //! reuse_buffers): counted as gathered_params, though no unit is gathered in them.
+  std::uint64_t spare_elems() const noexcept {
+    std::uint64_t e = 0;
+    for (const auto& b : spares_) e += b.size();
+    return e;
   }
 
   //! Unit u stays gathered for the whole step; unit u is released after its forward.
@@ -343,11 +366,7 @@ class shard_params {
   void issue_gather(std::size_t u, bool backward) {
     auto& x = units_[u];
     const auto& ge = layout_->group(u);
-    {
-      [[maybe_unused]] auto on_stream = ops_.scope();
-      x.gathered =
-          buffer<Working, memory_space>(ge.padded, ledger_, memory_category::gathered_params);
-    }
+    x.gathered = take_buffer(ge.padded);
     x.st = state::inflight;
     if (ge.shard != 0) {
       ops_.before_collective();
@@ -379,13 +398,43 @@ class shard_params {
   void release(std::size_t u, bool backward) {
     auto& x = units_[u];
     drain_quietly(x.gather);
-    {
+    x.st = state::released;
+    x.kept = false;
+    // Kept while the buffers held for transient units (gathered ones and spares) stay within
+    // the window; the bytes held do not change.
+    if (reusing() && !x.persistent && x.gathered.size() != 0 &&
+        live_transient() + spares_.size() < 1 + opts_.prefetch) {
+      spares_.push_back(std::move(x.gathered));
+    } else {
       [[maybe_unused]] auto on_stream = ops_.scope();  // freed after the compute that used it
       x.gathered.release();
     }
-    x.st = state::released;
-    x.kept = false;
     trace_.note(trace_event::kind::released, u, backward);
+  }
+
+  bool reusing() const noexcept {
+    return std::is_same_v<memory_space, host_space> && opts_.reuse_buffers;
+  }
+
+  // A buffer of `padded` elements for a gather: a kept one of that size, or a new one (after
+  // freeing the kept ones, so that what is held stays within the window and max_live_elems).
+  buffer<Working, memory_space> take_buffer(std::size_t padded) {
+    for (std::size_t i = 0; i < spares_.size(); ++i) {
+      if (spares_[i].size() != padded) continue;
+      buffer<Working, memory_space> b = std::move(spares_[i]);
+      if (i + 1 != spares_.size()) spares_[i] = std::move(spares_.back());
+      spares_.pop_back();
+      return b;
+    }
+    free_spares();
+    [[maybe_unused]] auto on_stream = ops_.scope();
+    return buffer<Working, memory_space>(padded, ledger_, memory_category::gathered_params);
+  }
+
+  void free_spares() {
+    if (spares_.empty()) return;
+    [[maybe_unused]] auto on_stream = ops_.scope();
+    spares_.clear();
   }
 
   // Issues the gathers of the units that follow u in the previous step's hook order (the
@@ -466,6 +515,9 @@ class shard_params {
     } else {
       release(u, backward);
     }
+    // The last unit of the backward order (the previous step's, or the declared one): no
+    // gather follows in this backward, so the kept buffers go now, not at the step.
+    if (backward && backward_cursor_ >= backward_order_.size()) free_spares();
   }
 
   Comm* comm_;
@@ -480,6 +532,7 @@ class shard_params {
   trace_log trace_;
   buffer<Working, memory_space> shard_;
   std::vector<unit> units_;
+  std::vector<buffer<Working, memory_space>> spares_;        // released units' buffers, for reuse
   std::vector<std::size_t> forward_order_, backward_order_;  // prefetch order (last step's)
   std::vector<std::size_t> seen_forward_, seen_backward_;    // this step's hook order
   std::size_t forward_cursor_ = 0, backward_cursor_ = 0;     // position in the orders
