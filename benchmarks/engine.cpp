@@ -8,6 +8,10 @@
 //                                 as they fill), then step() (reduce, fused optimizer on the
 //                                 rank's part, gather). No model compute: this is the time
 //                                 shardkit adds to a step (benchmarks/engine_model.hpp).
+//  engine/step_fresh/stage:3/ranks:N/params:P   the same ZeRO-3 step with
+//                                 engine_options::reuse_gathered_buffers off (every gather in
+//                                 a buffer of its own, allocated and freed): the baseline of
+//                                 the buffer reuse, for N >= 2 and Ψ >= 16M.
 //
 // The model: L units, each a d x d weight and a d bias. Sizes (--size):
 //   tiny   Ψ = 8.3K and 33K, N = 1, 2 (the smoke test: seconds)
@@ -57,7 +61,7 @@ struct model_cache {
 };
 model_cache cache;
 
-template <int Stage>
+template <int Stage, bool Reuse = true>
 void bm_step(benchmark::State& state, bench::model_shape shape, int ranks) {
   using engine_t = shardkit::engine<shardkit::thread_comm, shardkit::stage<Stage>, shardkit::bf16,
                                     shardkit::adamw>;
@@ -72,8 +76,10 @@ void bm_step(benchmark::State& state, bench::model_shape shape, int ranks) {
   bench::team team(ranks);
   // Built on the rank threads, as a framework's ranks would (each allocates its own buffers).
   team.run([&](int r) {
+    shardkit::engine_options o;
+    o.reuse_gathered_buffers = Reuse;
     engines[static_cast<std::size_t>(r)].emplace(comms[static_cast<std::size_t>(r)], model.spec,
-                                                 shardkit::adam_options{.lr = 1e-4f});
+                                                 shardkit::adam_options{.lr = 1e-4f}, o);
   });
   const std::function<void(int)> step = [&](int r) {
     sent[static_cast<std::size_t>(r)] = bench::full_step(*engines[static_cast<std::size_t>(r)],
@@ -108,8 +114,8 @@ void register_all(bench::size_set s) {
   for (const auto& shape : shapes) {
     const std::size_t P = shape.params();
     for (const int n : ranks) {
-      auto reg = [&](int stage, auto fn) {
-        const std::string name = "engine/step/stage:" + std::to_string(stage) +
+      auto reg = [&](int stage, auto fn, const char* what = "step") {
+        const std::string name = std::string("engine/") + what + "/stage:" + std::to_string(stage) +
                                  "/ranks:" + std::to_string(n) + "/params:" + std::to_string(P);
         const double need = bench::run_bytes(P, stage, n);
         if (need > memory_cap) {
@@ -129,6 +135,7 @@ void register_all(bench::size_set s) {
       reg(1, bm_step<1>);
       reg(2, bm_step<2>);
       reg(3, bm_step<3>);
+      if (n >= 2 && P >= 16 * mi) reg(3, bm_step<3, false>, "step_fresh");
     }
   }
   if (!skipped.empty()) benchmark::AddCustomContext("engine_skipped", skipped);

@@ -372,10 +372,15 @@ def engine(rows, out, plt, targets, context=None):
     """engine/step/stage:S/ranks:N/params:P: step time against Ψ, one line per (stage, N), and
     the ratio of each stage to stage 0 at the same Ψ and N. (Older runs had no ranks key: N = 4.)"""
     by = {}
+    fresh = {}  # engine/step_fresh: ZeRO-3 without reusing gathered buffers, by (N, Ψ)
     for name, r in rows.items():
-        _, _, k = parse(name)
+        _, op, k = parse(name)
         n = int(k.get("ranks", r.get("ranks", 4)))
-        by[(int(k["stage"]), n, int(k.get("params", r.get("params", 0))))] = r
+        key = (int(k["stage"]), n, int(k.get("params", r.get("params", 0))))
+        if op == "step_fresh":
+            fresh[key[1:]] = r
+        else:
+            by[key] = r
     if not by:
         return []
     stages = sorted({k[0] for k in by})
@@ -407,6 +412,17 @@ def engine(rows, out, plt, targets, context=None):
             sent = f"{int(last['sent']):,}" if last else "–"
             md.append(f"| {fmt_params(p)} | {n} | " + " | ".join(cells) + " | " + " | ".join(qs) +
                       f" | {sent} |")
+    pairs = [(n, p) for (n, p) in sorted(fresh) if (3, n, p) in by]
+    if pairs:
+        md += ["", "ZeRO-3 with `engine_options::reuse_gathered_buffers` off (every gather in a "
+               "buffer of its own, allocated and freed) against the default (released units' "
+               "buffers reused within the step), same run:", "",
+               "| Ψ | N | stage 3, fresh buffers (ms) | stage 3 (ms) | fresh / reused |",
+               "|---:|---:|---:|---:|---:|"]
+        for n, p in pairs:
+            a, b = fresh[(n, p)]["t"], by[(3, n, p)]["t"]
+            md.append(f"| {fmt_params(p)} | {n} | {a * 1e3:.2f} | {b * 1e3:.2f} | "
+                      f"{ratio(a / b)} |")
     skipped = (context or {}).get("engine_skipped")
     if skipped:
         md += ["", "Skipped (host memory): " + skipped + "."]
