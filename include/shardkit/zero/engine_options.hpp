@@ -143,7 +143,8 @@ const engine_options& checked_engine_options(const engine_options& o, int stage,
 //! The fields of the options every rank of an engine must agree on (the engine compares them
 //! across ranks at construction, with the model's: zero/fingerprint.hpp): stage, element types,
 //! optimizer and every hyper-parameter of every parameter group, and every option that changes
-//! the collectives or the arithmetic. Not compared: trace and compute_stream (local matters).
+//! the collectives or the arithmetic. Not compared: trace, compute_stream, the host threads
+//! and executor, and reuse_gathered_buffers (local matters: they change neither).
 template <optimizer_policy Opt>
 fingerprint options_fingerprint(const engine_options& o, int stage, int ranks, dtype working,
                                 dtype grad, std::span<const typename Opt::options> groups) {
