@@ -70,10 +70,10 @@ struct shard_params_options {
   //! Record a timeline of gathers, waits and hooks (trace()).
   bool trace = false;
   //! Host memory: keep the buffer of a released unit for the next gather of a unit of the same
-  //! padded size, instead of freeing it and allocating a fresh one. A fresh buffer of a unit
-  //! above the allocator's mmap threshold (a few MiB) comes from the operating system, and
-  //! every page of it faults in and is cleared by the kernel on first touch: on a ZeRO-3 step
-  //! of 134M parameters on 4 thread ranks that was most of the step (benchmarks/README.md).
+  //! padded size, instead of freeing it and allocating a fresh one. malloc hands a freed
+  //! buffer of megabytes back to the kernel (mmap'ed, or trimmed from a thread's heap), so a
+  //! fresh one faults in page by page, and the kernel clears every page: on a ZeRO-3 step of
+  //! 134M parameters on 4 thread ranks that was most of the step (benchmarks/README.md).
   //! Kept buffers stay counted as gathered_params (spare_elems() says how many of its elements
   //! are kept rather than gathered); together with the gathered units they never exceed the
   //! schedule's window (1 + prefetch transient units) or max_live_elems, so the live bound
