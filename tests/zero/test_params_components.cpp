@@ -463,6 +463,10 @@ TEMPLATE_TEST_CASE("shard_params reuses the buffers of released units, within th
         sp.post_forward(u);
         check(held() <= window * padded * sizeof(bf16), "step ", step, ": after post_forward(", u,
               ") ", held(), " bytes are held, more than the window of ", window, " units");
+        // The released unit's buffer is kept (the last unit's too, beside the one before it).
+        const std::size_t kept = (u == 3 ? window : 1) * padded;
+        check(sp.spare_elems() == kept, "step ", step, ": after post_forward(", u, ") ",
+              sp.spare_elems(), " elements are kept for reuse, expected ", kept);
       }
       for (std::size_t u = 4; u-- > 0;) {
         sp.pre_backward(u);
