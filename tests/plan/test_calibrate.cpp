@@ -397,3 +397,142 @@ TEST_CASE("calibrate: one link per collective is recovered, and the time model u
   }
   CHECK_THROWS_WITH(plan::fit_links_per_collective(one_size), Contains("all_gather"));
 }
+
+TEST_CASE("calibrate: in-place links are fitted apart, and the step's in-place calls use them") {
+  // Out of place and in place on links of their own, every collective.
+  const plan::link oop{3e-6, 2e9}, inp{2e-6, 5e9};
+  std::vector<plan::calibration_sample> samples = model_samples(oop, {2});
+  for (auto s : model_samples(inp, {2})) {
+    s.in_place = true;
+    samples.push_back(s);
+  }
+  const plan::collective_fits f = plan::fit_links_per_collective(samples);
+  for (const collective op :
+       {collective::all_reduce, collective::reduce_scatter, collective::all_gather}) {
+    INFO(op);
+    REQUIRE(f.of(op, false));
+    REQUIRE(f.of(op, true));
+    CHECK(f.of(op, false)->fitted.bytes_per_s == Approx(oop.bytes_per_s).epsilon(1e-9));
+    CHECK(f.of(op, true)->fitted.bytes_per_s == Approx(inp.bytes_per_s).epsilon(1e-9));
+    CHECK(f.of(op, true)->fitted.latency_s == Approx(inp.latency_s).epsilon(1e-9));
+  }
+  plan::cluster c;
+  c.gpus_per_node = 2;
+  c.intra = {9e-6, 1e9};
+  plan::set_per_collective_links(c, f);
+  const plan::placement node{2, 2};
+  for (const collective op :
+       {collective::all_reduce, collective::reduce_scatter, collective::all_gather}) {
+    plan::cluster only;
+    only.gpus_per_node = 2;
+    for (const bool in_place : {false, true}) {
+      only.intra = in_place ? inp : oop;
+      CHECK(plan::collective_time(op, 1 << 20, 2, node, c, plan::algorithm::ring, in_place) ==
+            Approx(plan::collective_time(op, 1 << 20, 2, node, only)).epsilon(1e-9));
+    }
+  }
+  // A step's time takes each call's link by its placement: stage 0's all-reduce and stage 1's
+  // reduce-scatter and all-gather run in place, stage 3's gathers and reduce-scatters do not.
+  const std::vector<plan::unit> units = {plan::unit{1 << 20}, plan::unit{1 << 20}};
+  plan::setup s;
+  s.ranks = 2;
+  s.bytes = plan::precision_of(shardkit::dtype::bf16, shardkit::dtype::bf16, 2);
+  plan::cluster all_in, all_out;  // one link for every collective
+  all_in.gpus_per_node = all_out.gpus_per_node = 2;
+  all_in.intra = inp;
+  all_out.intra = oop;
+  for (const int stage : {0, 1, 3}) {
+    s.stage = stage;
+    INFO("stage " << stage);
+    CHECK(plan::comm_time_per_step(s, units, c) ==
+          Approx(plan::comm_time_per_step(s, units, stage == 3 ? all_out : all_in)).epsilon(1e-12));
+  }
+  // Stage 2: reduce-scatters from a bucket (out of place), the all-gather in place.
+  s.stage = 2;
+  const double rs = plan::collective_time(collective::reduce_scatter, 1 << 19, 2, node, all_out);
+  const double ag = plan::collective_time(collective::all_gather, 1 << 19, 2, node, all_in);
+  CHECK(plan::comm_time_per_step(s, units, c) == Approx(2 * rs + 2 * ag).epsilon(1e-12));
+  // An in-place link with no bandwidth is refused like the others.
+  c.intra_all_gather_in_place = plan::link{1e-6, 0.0};
+  CHECK(plan::placement_problem(s, c) != nullptr);
+  // Samples that cannot be fitted name the collective and the placement.
+  std::vector<plan::calibration_sample> bad;
+  for (const auto& x : samples) {
+    if (!x.in_place || x.op != collective::reduce_scatter || x.count * x.elem_bytes * 2 == 4096) {
+      bad.push_back(x);
+    }
+  }
+  CHECK_THROWS_WITH(plan::fit_links_per_collective(bad), Contains("reduce_scatter in-place"));
+}
+
+TEST_CASE("calibrate: a sweep of fresh inputs, in place and out of place, asynchronous") {
+  plan::sweep_options o;
+  o.max_bytes = 1 << 20;
+  o.reps = 3;
+  o.fresh_input = true;
+  o.in_place = true;
+  o.asynchronous = true;
+  o.element = shardkit::dtype::bf16;
+  o.cold_bytes = std::size_t{4} << 20;
+  const auto r = shardkit::run_ranks(
+      2, [&](shardkit::thread_comm& comm) { return plan::measure_collectives(comm, o); });
+  // 2 placements x 3 collectives x {4, 16, 64, 256} KiB and 1 MiB
+  REQUIRE(r[0].size() == 2 * 3 * 5);
+  for (std::size_t i = 0; i < r[0].size(); ++i) {
+    const auto& s = r[0][i];
+    INFO("sample " << i);
+    CHECK(s.in_place == (i >= 15));
+    CHECK(s.elem_bytes == 2);
+    CHECK(s.seconds > 0);
+    CHECK(r[1][i].seconds == s.seconds);
+    CHECK(r[1][i].in_place == s.in_place);
+  }
+  const plan::collective_fits f = plan::fit_links_per_collective(r[0]);
+  CHECK(f.all_reduce_in_place);
+  CHECK(f.all_gather);
+  // Neither placement: nothing to time.
+  o.in_place = o.out_of_place = false;
+  CHECK_THROWS_WITH(plan::check(o, 1), Contains("rank 1") && Contains("neither out_of_place"));
+}
+
+TEST_CASE("timed_comm: serialize completes asynchronous collectives at their issue") {
+  using timed = shardkit::timed_comm<shardkit::thread_comm>;
+  struct out {
+    std::vector<shardkit::call_record> log;
+    std::vector<float> y, part;
+    bool done_at_issue = false;
+    double issued = 0;  // when the all-gather's issue had returned
+  };
+  const auto r = shardkit::run_ranks(2, [](shardkit::thread_comm& c) {
+    timed t(std::move(c));
+    t.timing().record = true;
+    t.timing().serialize = true;
+    out o;
+    std::vector<float> x(4, static_cast<float>(t.rank() + 1));
+    o.y.resize(8);
+    auto w = t.all_gather_async(x.data(), o.y.data(), 4);
+    o.issued = shardkit::comm_timing::now();
+    o.done_at_issue = w.test();  // complete without waiting
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    w.wait();  // a no-op now: the record was left at the issue
+    o.part.assign(o.y.begin() + 4 * t.rank(), o.y.begin() + 4 * t.rank() + 4);
+    t.reduce_scatter_async(o.y.data(), o.y.data() + 4 * t.rank(), 4).wait();  // in place
+    o.log = t.timing().log;
+    return o;
+  });
+  for (std::size_t rank = 0; rank < r.size(); ++rank) {
+    const auto& o = r[rank];
+    const auto k = static_cast<float>(rank + 1);
+    CHECK(o.done_at_issue);
+    CHECK(o.part == std::vector<float>(4, k));
+    CHECK(o.y[4 * rank] == 2 * k);  // the rank's slice of both ranks' y, summed in place
+    REQUIRE(o.log.size() == 2);
+    CHECK(o.log[0].kind == collective::all_gather);
+    CHECK(o.log[0].count == 4);
+    CHECK(o.log[0].elem_bytes == 4);
+    CHECK_FALSE(o.log[0].in_place);
+    CHECK(o.log[0].left <= o.issued);  // left before the issue returned, not at wait()
+    CHECK(o.log[1].kind == collective::reduce_scatter);
+    CHECK(o.log[1].in_place);
+  }
+}

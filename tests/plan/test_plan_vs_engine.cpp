@@ -1,7 +1,8 @@
 // The planner against the engine: for small models, every stage the engine implements, several
 // rank counts, dtypes, optimizers, alignments, staging buffers, buckets and micro-batches, the
 // bytes the planner predicts equal, byte for byte, what the engine's memory ledger holds and
-// what its traffic ledger (and step_report::bytes_sent) says it sent. Engines run on in-process
+// what its traffic ledger (and step_report::bytes_sent) says it sent; and the collectives it
+// issues in place are the ones the planner says it does. Engines run on in-process
 // ranks (run_ranks + thread_comm); each rank returns its first mismatch and the test asserts
 // after all ranks are done.
 #include <shardkit/plan/planner.hpp>
@@ -11,9 +12,11 @@
 
 #include <catch2/catch.hpp>
 
+#include <bit>
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace plan = shardkit::plan;
@@ -240,4 +243,104 @@ TEST_CASE("planner equals the engine's ledgers: gradients in a type of their own
   compare_all<shardkit::zero3, shardkit::bf16, shardkit::adamw, float>();
   compare_all<shardkit::zero2, float, shardkit::sgd_momentum, shardkit::bf16>();
   compare_all<shardkit::zero3, float, shardkit::adam, shardkit::bf16>();
+}
+
+namespace {
+
+//! One step of stage `Policies` on N thread ranks behind timed_comm, its collectives logged:
+//! each rank returns its first disagreement with the planner's list of collectives (op, count,
+//! element bytes, times per step and whether the engine issues it in place), and the bits of
+//! its working parameters after the step.
+template <class Policies>
+std::vector<std::pair<std::string, std::vector<std::uint32_t>>> placement_run(
+    int N, std::size_t shard_group, bool serialize) {
+  using timed = shardkit::timed_comm<shardkit::thread_comm>;
+  using engine_t = shardkit::engine<timed, Policies, shardkit::bf16, shardkit::adamw>;
+  const std::vector<std::size_t> sizes = {1000, 24, 2048, 32, 512};
+  const test::model_case mc{"three units", sizes, {0, 2, 4}};
+  shardkit::engine_options o;
+  o.shard_group_size = shard_group;
+  plan::setup s;
+  s.stage = Policies::stage;
+  s.ranks = static_cast<std::uint64_t>(N);
+  s.shard_ranks = shard_group;
+  s.bytes = plan::precision_of(shardkit::dtype::bf16, shardkit::dtype::bf16, 2);
+  const auto units = planner_units(mc, o, Policies::stage);
+  return shardkit::run_ranks(N, [&](shardkit::thread_comm& c) {
+    timed t(std::move(c));
+    shardkit::model_spec model;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      if (i == 0 || i == 2 || i == 4) model.begin_unit();
+      model.add("p" + std::to_string(i), sizes[i]);
+    }
+    engine_t eng(t, model, shardkit::adam_options{}, o);
+    t.timing().record = true;
+    t.timing().serialize = serialize;
+    for (std::size_t u = 0; u < eng.num_units(); ++u) {
+      eng.pre_forward(u);
+      eng.post_forward(u);
+    }
+    std::vector<float> g;
+    for (std::size_t i = sizes.size(); i-- > 0;) {
+      const std::size_t u = eng.unit_of(i);
+      if (i + 1 == sizes.size() || eng.unit_of(i + 1) != u) eng.pre_backward(u);
+      g.assign(sizes[i], 0.01f * static_cast<float>(1 + (i + 3 * t.rank()) % 7));
+      eng.grad_ready(i, g);
+      if (i == 0 || eng.unit_of(i - 1) != u) eng.post_backward(u);
+    }
+    (void)eng.step();
+    std::ostringstream fail;
+    std::size_t matched = 0;
+    plan::for_each_collective(s, units, [&](const shardkit::accounting::collective_call& call) {
+      std::uint64_t seen = 0;
+      for (const auto& r : t.timing().log) {
+        if (r.kind != call.op || r.count != call.count || r.elem_bytes != call.elem_bytes) continue;
+        ++seen;
+        if (r.in_place != call.in_place && fail.tellp() == 0) {
+          fail << call.op << " of " << call.count << " elements: the engine issued it "
+               << (r.in_place ? "in place" : "out of place") << ", the planner says "
+               << (call.in_place ? "in place" : "out of place");
+        }
+      }
+      matched += call.repeat;
+      if (seen < call.repeat && fail.tellp() == 0) {
+        fail << call.op << " of " << call.count << " elements: " << seen
+             << " logged, the planner counts " << call.repeat;
+      }
+    });
+    if (matched == 0 && N > 1 && fail.tellp() == 0) fail << "no collective matched the planner's";
+    std::vector<std::uint32_t> bits;  // the rank's fp32 master shard after the step
+    for (const float x : eng.master_shard()) bits.push_back(std::bit_cast<std::uint32_t>(x));
+    return std::pair{fail.str(), bits};
+  });
+}
+
+template <class Policies>
+void check_placement(int N, std::size_t shard_group = 0) {
+  const auto overlapped = placement_run<Policies>(N, shard_group, false);
+  const auto serial = placement_run<Policies>(N, shard_group, true);
+  for (std::size_t r = 0; r < overlapped.size(); ++r) {
+    INFO("stage " << Policies::stage << ", " << N << " ranks, shard group " << shard_group
+                  << ", rank " << r);
+    CHECK(overlapped[r].first == "");
+    CHECK(serial[r].first == "");
+    // timed_comm::serialize changes when collectives complete, not what they compute.
+    CHECK(serial[r].second == overlapped[r].second);
+  }
+}
+
+}  // namespace
+
+// The time model gives in-place collectives their own link (plan/time.hpp); the planner's list
+// says which calls the engine issues in place, and timed_comm's log shows what the engine did.
+TEST_CASE("planner: which collectives the engine issues in place") {
+  for (const int N : {2, 4}) {
+    check_placement<shardkit::zero0>(N);
+    check_placement<shardkit::zero1>(N);
+    check_placement<shardkit::zero2>(N);
+    check_placement<shardkit::zero3>(N);
+  }
+  check_placement<shardkit::zero1>(4, 2);  // hybrid: the replica all-reduce of the shard
+  check_placement<shardkit::zero2>(4, 2);
+  check_placement<shardkit::zero3>(4, 2);
 }

@@ -16,6 +16,9 @@
 //! adds only its issue time. Calls are counted when issued. Communicators made by split() share
 //! the parent's timing (one total for a rank, whatever group a collective ran on).
 //!
+//! With `timing().serialize` set, asynchronous collectives complete before their issue returns
+//! (see comm_timing::serialize).
+//!
 //! With `timing().record` set, every call is also logged (call_record: when this rank entered
 //! and left it). Comparing the ranks' logs separates a collective's own time, from the last
 //! rank's arrival to its completion, from the time early ranks wait for late ones
@@ -48,6 +51,12 @@ struct call_record {
   collective kind = collective::barrier;
   double entered = 0.0;
   double left = 0.0;
+  std::size_t count = 0;       //!< elements, as the call counts them (per rank for RS/AG)
+  std::size_t elem_bytes = 0;  //!< bytes per element
+  //! In place: the all-reduce's output is its input, the reduce-scatter's output the rank's
+  //! slice of its input, the all-gather's input the rank's slice of its output (broadcast:
+  //! always; barrier: never).
+  bool in_place = false;
 };
 
 //! Seconds and calls per kind of collective (indexed by `collective`), and, when `record` is
@@ -56,7 +65,12 @@ struct comm_timing {
   static constexpr std::size_t kinds = collective_count;
   std::array<double, kinds> seconds{};
   std::array<std::uint64_t, kinds> calls{};
-  bool record = false;           //!< append every call to `log`
+  bool record = false;  //!< append every call to `log`
+  //! Run every asynchronous collective to completion when it is issued (its work handle is then
+  //! already complete, and an error is thrown at the issue): the collectives of a step one
+  //! after another, none overlapping the caller's work or each other. This is what the time
+  //! model of plan/time.hpp assumes, so a step measured this way is what it predicts.
+  bool serialize = false;
   std::vector<call_record> log;  //!< the calls since the last clear(), when `record` is set
 
   double seconds_of(collective c) const noexcept { return seconds[index(c)]; }
@@ -127,10 +141,12 @@ class timed_comm {
               std::size_t record = detail::timing_scope::npos)
         : w_(std::move(w)), t_(std::move(t)), c_(c), record_(record) {}
     void wait() {
+      if (completed_) return;
       detail::timing_scope s(*t_, c_, record_);
       w_.wait();
     }
     bool test() {
+      if (completed_) return true;
       detail::timing_scope s(*t_, c_, record_);
       const bool done = static_cast<bool>(w_.test());
       if (!done) s.release_record();
@@ -138,10 +154,12 @@ class timed_comm {
     }
 
    private:
+    friend class timed_comm;
     typename C::work_type w_;
     std::shared_ptr<comm_timing> t_;
     collective c_;
     std::size_t record_;
+    bool completed_ = false;  // waited for at its issue (comm_timing::serialize)
   };
 
   explicit timed_comm(C inner)
@@ -160,22 +178,22 @@ class timed_comm {
 
   template <class T>
   void all_reduce(const T* in, T* out, std::size_t n, reduce_op op = reduce_op::sum) {
-    auto s = scope(collective::all_reduce);
+    auto s = scope(collective::all_reduce, n, sizeof(T), in == out);
     inner_.all_reduce(in, out, n, op);
   }
   template <class T>
   void reduce_scatter(const T* in, T* out, std::size_t count, reduce_op op = reduce_op::sum) {
-    auto s = scope(collective::reduce_scatter);
+    auto s = scope(collective::reduce_scatter, count, sizeof(T), rs_in_place(in, out, count));
     inner_.reduce_scatter(in, out, count, op);
   }
   template <class T>
   void all_gather(const T* in, T* out, std::size_t count) {
-    auto s = scope(collective::all_gather);
+    auto s = scope(collective::all_gather, count, sizeof(T), ag_in_place(in, out, count));
     inner_.all_gather(in, out, count);
   }
   template <class T>
   void broadcast(T* buf, std::size_t n, int root) {
-    auto s = scope(collective::broadcast);
+    auto s = scope(collective::broadcast, n, sizeof(T), true);
     inner_.broadcast(buf, n, root);
   }
   template <class T>
@@ -183,7 +201,7 @@ class timed_comm {
     c.all_to_all(in, out, count);
   }
   {
-    auto s = scope(collective::all_to_all);
+    auto s = scope(collective::all_to_all, count, sizeof(T), in == out);
     inner_.all_to_all(in, out, count);
   }
   void barrier() {
@@ -194,24 +212,27 @@ class timed_comm {
   template <class T>
   [[nodiscard]] work_type all_reduce_async(const T* in, T* out, std::size_t n,
                                            reduce_op op = reduce_op::sum) {
-    return start(collective::all_reduce, [&] { return inner_.all_reduce_async(in, out, n, op); });
+    return start(collective::all_reduce, {n, sizeof(T), in == out},
+                 [&] { return inner_.all_reduce_async(in, out, n, op); });
   }
   template <class T>
   [[nodiscard]] work_type reduce_scatter_async(const T* in, T* out, std::size_t count,
                                                reduce_op op = reduce_op::sum) {
-    return start(collective::reduce_scatter,
+    return start(collective::reduce_scatter, {count, sizeof(T), rs_in_place(in, out, count)},
                  [&] { return inner_.reduce_scatter_async(in, out, count, op); });
   }
   template <class T>
   [[nodiscard]] work_type all_gather_async(const T* in, T* out, std::size_t count) {
-    return start(collective::all_gather, [&] { return inner_.all_gather_async(in, out, count); });
+    return start(collective::all_gather, {count, sizeof(T), ag_in_place(in, out, count)},
+                 [&] { return inner_.all_gather_async(in, out, count); });
   }
   template <class T>
   [[nodiscard]] work_type broadcast_async(T* buf, std::size_t n, int root) requires requires(C& c) {
     c.broadcast_async(buf, n, root);
   }
   {
-    return start(collective::broadcast, [&] { return inner_.broadcast_async(buf, n, root); });
+    return start(collective::broadcast, {n, sizeof(T), true},
+                 [&] { return inner_.broadcast_async(buf, n, root); });
   }
 
   //! Collective, like C::split; the new communicator adds to this one's timing.
@@ -228,22 +249,43 @@ class timed_comm {
   { inner_.set_compute_stream(s); }
 
  private:
+  // What a record says about the call besides its times.
+  struct call_shape {
+    std::size_t count = 0;
+    std::size_t elem_bytes = 0;
+    bool in_place = false;
+  };
+  template <class T>
+  bool rs_in_place(const T* in, const T* out, std::size_t count) const {
+    return out == in + static_cast<std::size_t>(rank()) * count;
+  }
+  template <class T>
+  bool ag_in_place(const T* in, const T* out, std::size_t count) const {
+    return in == out + static_cast<std::size_t>(rank()) * count;
+  }
   // A new record of the call (when recording), stamped `entered` now.
-  std::size_t open_record(collective c) {
+  std::size_t open_record(collective c, call_shape x = {}) {
     if (!timing_->record) return detail::timing_scope::npos;
     const double t = comm_timing::now();
-    timing_->log.push_back(call_record{c, t, t});
+    timing_->log.push_back(call_record{c, t, t, x.count, x.elem_bytes, x.in_place});
     return timing_->log.size() - 1;
   }
-  detail::timing_scope scope(collective c) {
+  detail::timing_scope scope(collective c, std::size_t count = 0, std::size_t elem_bytes = 0,
+                             bool in_place = false) {
     ++timing_->calls[comm_timing::index(c)];
-    return detail::timing_scope(*timing_, c, open_record(c));
+    return detail::timing_scope(*timing_, c, open_record(c, {count, elem_bytes, in_place}));
   }
   template <class F>
-  work_type start(collective c, F&& issue) {
+  work_type start(collective c, call_shape x, F&& issue) {
     ++timing_->calls[comm_timing::index(c)];
-    const std::size_t record = open_record(c);
+    const std::size_t record = open_record(c, x);
     detail::timing_scope s(*timing_, c, record);
+    if (timing_->serialize) {  // left when done, here
+      work_type w(issue(), timing_, c, detail::timing_scope::npos);
+      w.w_.wait();
+      w.completed_ = true;
+      return w;
+    }
     s.release_record();  // left at its wait()
     return work_type(issue(), timing_, c, record);
   }

@@ -29,13 +29,21 @@
 //! same options. For all-gather, reduce-scatter and all-reduce at buffer sizes from
 //! options.min_bytes to options.max_bytes (×4 each, elements of options.element, fp32 or bf16; the
 //! size is the whole array: all-gather's output, reduce-scatter's input, all-reduce's buffer), it
-//! runs options.warmup calls, then options.reps repetitions, each a barrier followed by `iters`
-//! back-to-back calls (more for small sizes, so a repetition moves at least options.bytes_per_rep);
-//! the time of a repetition is the slowest rank's (an all-reduce with max), and a sample's time is
-//! the median of the repetitions. Every rank returns the same samples and the same fit. With
-//! options.cold_bytes, the calls take turns on that many bytes of buffers, so that each finds its
-//! data out of cache, as the collectives of a training step do; calibrated on one reused buffer,
-//! the model predicted the engine benchmark's step 1.5–2.3× too fast on this project's machine.
+//! runs options.warmup untimed repetitions, then options.reps timed ones, each a barrier
+//! followed by `iters` back-to-back calls (more for small sizes, so a repetition moves at least
+//! options.bytes_per_rep); the time of a repetition is the slowest rank's (an all-reduce with
+//! max), and a sample's time is the median of the repetitions. Every rank returns the same
+//! samples and the same fit. With options.cold_bytes, the calls take turns on that many bytes of
+//! buffers, so that each finds its data out of cache; calibrated on one reused buffer, the model
+//! predicted the engine benchmark's step 1.5–2.3× too fast on this project's machine at the time.
+//!
+//! A training step finds its data elsewhere, though: it writes the gradients just before it
+//! reduces them and the parameters just before it gathers them, issues most collectives
+//! asynchronously, and runs some in place. options.fresh_input (each call's input written by
+//! its rank, then the call timed alone), options.in_place (the in-place form of each collective
+//! as well, in samples marked `in_place`, which fit_links_per_collective fits apart) and
+//! options.asynchronous (the asynchronous form, waited for) time the collectives that way; with
+//! cold_bytes 0 they describe a step whose data fits in the cache (benchmarks/time_model.cpp).
 //!
 //! What the fit absorbs: the model counts only messages and bytes; the communicator's own
 //! arithmetic (shardkit reduces on the host in rank order), copies and synchronisation land in
@@ -80,6 +88,7 @@ struct calibration_sample {
   std::uint64_t elem_bytes = 4;
   std::uint64_t ranks = 2;
   double seconds = 0.0;
+  bool in_place = false;  //!< run in place (see cluster::intra_all_reduce_in_place)
 };
 
 //! The fitted link and how well it explains the samples.
@@ -94,9 +103,9 @@ struct link_fit {
 
 namespace detail {
 inline std::string describe_sample(std::size_t i, const calibration_sample& s) {
-  return shardkit::detail::concat("sample ", i, " (", name(s.op), ", count ", s.count, ", ",
-                                  s.elem_bytes, "-byte elements, ", s.ranks, " ranks, ", s.seconds,
-                                  " s)");
+  return shardkit::detail::concat("sample ", i, " (", name(s.op), s.in_place ? " in place" : "",
+                                  ", count ", s.count, ", ", s.elem_bytes, "-byte elements, ",
+                                  s.ranks, " ranks, ", s.seconds, " s)");
 }
 }  // namespace detail
 
@@ -200,43 +209,62 @@ inline link_fit fit_link(std::span<const calibration_sample> samples) {
   return r;
 }
 
-//! One fitted link per collective: fit_link over the samples of each of all-reduce,
-//! reduce-scatter and all-gather on its own (unset: no samples of it). A communicator whose
-//! collectives are not all rings of one link (the thread communicator's one-pass all-reduce)
-//! fits one link badly and these well; cluster::intra_all_reduce etc. take them
-//! (set_per_collective_links). Throws calibration_error as fit_link does, naming the collective.
+//! One fitted link per collective and placement: fit_link over the samples of each of
+//! all-reduce, reduce-scatter and all-gather, out of place and in place, on its own (unset: no
+//! samples of it). A communicator whose collectives are not all rings of one link (the thread
+//! communicator's one-pass all-reduce) fits one link badly and these well;
+//! cluster::intra_all_reduce etc. take them (set_per_collective_links). Throws
+//! calibration_error as fit_link does, naming the collective and placement.
 struct collective_fits {
   std::optional<link_fit> all_reduce, reduce_scatter, all_gather;
+  std::optional<link_fit> all_reduce_in_place, reduce_scatter_in_place, all_gather_in_place;
+
+  std::optional<link_fit>& of(collective op, bool in_place) {
+    if (op == collective::all_reduce) return in_place ? all_reduce_in_place : all_reduce;
+    if (op == collective::reduce_scatter) {
+      return in_place ? reduce_scatter_in_place : reduce_scatter;
+    }
+    return in_place ? all_gather_in_place : all_gather;
+  }
+  const std::optional<link_fit>& of(collective op, bool in_place) const {
+    return const_cast<collective_fits&>(*this).of(op, in_place);
+  }
 };
 
 inline collective_fits fit_links_per_collective(std::span<const calibration_sample> samples) {
   collective_fits f;
-  for (const collective op :
-       {collective::all_reduce, collective::reduce_scatter, collective::all_gather}) {
-    std::vector<calibration_sample> mine;
-    for (const auto& s : samples) {
-      if (s.op == op) mine.push_back(s);
+  for (const bool in_place : {false, true}) {
+    for (const collective op :
+         {collective::all_reduce, collective::reduce_scatter, collective::all_gather}) {
+      std::vector<calibration_sample> mine;
+      for (const auto& s : samples) {
+        if (s.op == op && s.in_place == in_place) mine.push_back(s);
+      }
+      if (mine.empty()) continue;
+      link_fit r;
+      try {
+        r = fit_link(mine);
+      } catch (const calibration_error& e) {
+        shardkit::detail::raise<calibration_error>("the ", name(op), in_place ? " in-place" : "",
+                                                   " samples alone: ", e.what());
+      }
+      f.of(op, in_place) = std::move(r);
     }
-    if (mine.empty()) continue;
-    link_fit r;
-    try {
-      r = fit_link(mine);
-    } catch (const calibration_error& e) {
-      shardkit::detail::raise<calibration_error>("the ", name(op), " samples alone: ", e.what());
-    }
-    (op == collective::all_reduce       ? f.all_reduce
-     : op == collective::reduce_scatter ? f.reduce_scatter
-                                        : f.all_gather) = std::move(r);
   }
   return f;
 }
 
-//! Makes `c` use the links of `f` inside a node, collective by collective (the others keep
-//! c.intra).
+//! Makes `c` use the links of `f` inside a node, collective by collective and placement by
+//! placement (the others keep c.intra, or the collective's out-of-place link).
 inline void set_per_collective_links(cluster& c, const collective_fits& f) {
   if (f.all_reduce) c.intra_all_reduce = f.all_reduce->fitted;
   if (f.reduce_scatter) c.intra_reduce_scatter = f.reduce_scatter->fitted;
   if (f.all_gather) c.intra_all_gather = f.all_gather->fitted;
+  if (f.all_reduce_in_place) c.intra_all_reduce_in_place = f.all_reduce_in_place->fitted;
+  if (f.reduce_scatter_in_place) {
+    c.intra_reduce_scatter_in_place = f.reduce_scatter_in_place->fitted;
+  }
+  if (f.all_gather_in_place) c.intra_all_gather_in_place = f.all_gather_in_place->fitted;
 }
 
 //! What calibrate() times.
@@ -253,6 +281,21 @@ struct sweep_options {
   //! between); choose several times the last-level cache. 0: buffers of the largest size,
   //! reused by every call (sizes that fit in cache are then timed in cache).
   std::size_t cold_bytes = 0;
+  //! Each call's input written by its rank just before the call (untimed), as a training step
+  //! writes the gradients it reduces and the parameters it gathers just before; each call is
+  //! then timed alone (a barrier, the call; the slowest rank's time). A host communicator reads
+  //! such data from the writer's caches: on this project's machine an in-place all-reduce of
+  //! 16 MiB of bf16 over 2 thread ranks took about 1 ms on just-written data and 1.9 ms on data
+  //! out of cache.
+  bool fresh_input = false;
+  //! Which placements to time: out of place (separate input and output arrays) and in place
+  //! (see calibration_sample::in_place; fitted separately by fit_links_per_collective).
+  bool out_of_place = true;
+  bool in_place = false;
+  //! Issue the asynchronous form of each collective and wait for it, as a step issues its
+  //! reduce-scatters and all-gathers (on a thread communicator they run on the rank's progress
+  //! thread, not on the caller's).
+  bool asynchronous = false;
   //! Element type of the buffers: fp32 or bf16. Use the gradients' type of the steps to be
   //! predicted: a host communicator's reduction costs more per byte in bf16 (fp32 accumulation
   //! and rounding) than in fp32, and the fit charges that to β.
@@ -280,6 +323,11 @@ inline void check(const sweep_options& o, int rank) {
     shardkit::detail::raise<calibration_error>(
         "calibrate (rank ", rank, "): max_bytes ", o.max_bytes, " is less than 4 x min_bytes ",
         o.min_bytes, "; expected at least two sizes (x4 apart)");
+  }
+  if (!o.out_of_place && !o.in_place) {
+    shardkit::detail::raise<calibration_error>(
+        "calibrate (rank ", rank,
+        "): neither out_of_place nor in_place is set; expected at least one placement to time");
   }
   if (o.reps < 1 || o.warmup < 0 || o.max_iters < 1) {
     shardkit::detail::raise<calibration_error>("calibrate (rank ", rank, "): reps ", o.reps,
@@ -317,6 +365,7 @@ template <class T, class Comm>
 std::vector<calibration_sample> sweep(Comm& comm, const sweep_options& o) {
   const int P = comm.size();
   const auto p = static_cast<std::size_t>(P);
+  const auto me = static_cast<std::size_t>(comm.rank());
   // Element counts: whole arrays that P divides, so every rank's slice is the same.
   std::vector<std::size_t> sizes;
   for (std::size_t b = o.min_bytes; b <= o.max_bytes; b *= 4) {
@@ -331,47 +380,102 @@ std::vector<calibration_sample> sweep(Comm& comm, const sweep_options& o) {
   std::vector<T> in(arena, T(1.0f)), out(arena, T(0.0f));
   std::size_t cursor = 0;
 
-  auto run = [&](collective op, std::size_t n) {
+  // The buffers of the next call of n elements: where it reads, where it writes, and what this
+  // rank writes first when the input is fresh (in place, the all-gather's input is the rank's
+  // slice of its output and the reduce-scatter's output the rank's slice of its input).
+  struct call_buffers {
+    T* src;
+    T* dst;
+    T* written;
+    std::size_t written_n;
+  };
+  auto buffers = [&](collective op, std::size_t n, bool in_place) {
     if (cursor + n > arena) cursor = 0;
     const std::size_t at = cursor;
     cursor += n;
+    T* a = in.data() + at;
+    T* b = out.data() + at;
+    const std::size_t c = n / p;
+    if (op == collective::all_gather) {
+      T* src = in_place ? b + me * c : a;
+      return call_buffers{src, b, src, c};
+    }
+    if (op == collective::reduce_scatter) return call_buffers{a, in_place ? a + me * c : b, a, n};
+    return call_buffers{a, in_place ? a : b, a, n};
+  };
+  auto issue = [&](collective op, std::size_t n, const call_buffers& x) {
+    if (o.asynchronous) {
+      switch (op) {
+        case collective::all_gather:
+          comm.all_gather_async(x.src, x.dst, n / p).wait();
+          break;
+        case collective::reduce_scatter:
+          comm.reduce_scatter_async(x.src, x.dst, n / p, reduce_op::sum).wait();
+          break;
+        default:
+          comm.all_reduce_async(x.src, x.dst, n, reduce_op::sum).wait();
+          break;
+      }
+      return;
+    }
     switch (op) {
       case collective::all_gather:
-        comm.all_gather(in.data() + at, out.data() + at, n / p);
+        comm.all_gather(x.src, x.dst, n / p);
         break;
       case collective::reduce_scatter:
-        comm.reduce_scatter(in.data() + at, out.data() + at, n / p, reduce_op::sum);
+        comm.reduce_scatter(x.src, x.dst, n / p, reduce_op::sum);
         break;
       default:
-        comm.all_reduce(in.data() + at, out.data() + at, n, reduce_op::sum);
+        comm.all_reduce(x.src, x.dst, n, reduce_op::sum);
         break;
     }
   };
+  // The input a step would have just written (the value keeps repeated in-place sums finite).
+  auto write = [&](const call_buffers& x) { std::fill_n(x.written, x.written_n, T(1.0f)); };
+  auto slowest = [&](double s) {
+    comm.all_reduce(&s, &s, 1, reduce_op::max);
+    return s;
+  };
+  auto median_of = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 == 1 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  };
+  using clock = std::chrono::steady_clock;
   std::vector<calibration_sample> samples;
   const collective ops[] = {collective::all_gather, collective::reduce_scatter,
                             collective::all_reduce};
-  for (const collective op : ops) {
-    for (const std::size_t n : sizes) {
-      const std::size_t bytes = n * sizeof(T);
-      const int iters = static_cast<int>(std::clamp<std::size_t>(
-          o.bytes_per_rep / bytes, 1, static_cast<std::size_t>(o.max_iters)));
-      for (int w = 0; w < o.warmup; ++w) run(op, n);
-      std::vector<double> reps;
-      for (int rep = 0; rep < o.reps; ++rep) {
-        comm.barrier();
-        const auto t0 = std::chrono::steady_clock::now();
-        for (int i = 0; i < iters; ++i) run(op, n);
-        double s =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
-        comm.all_reduce(&s, &s, 1, reduce_op::max);  // the slowest rank's time
-        reps.push_back(s);
+  for (const bool in_place : {false, true}) {
+    if (!(in_place ? o.in_place : o.out_of_place)) continue;
+    for (const collective op : ops) {
+      for (const std::size_t n : sizes) {
+        const std::size_t bytes = n * sizeof(T);
+        const int iters =
+            o.fresh_input ? 1
+                          : static_cast<int>(std::clamp<std::size_t>(
+                                o.bytes_per_rep / bytes, 1, static_cast<std::size_t>(o.max_iters)));
+        std::vector<double> reps;
+        for (int rep = -o.warmup; rep < o.reps; ++rep) {
+          double s = 0;
+          if (o.fresh_input) {  // write, wait for every rank, time the one call
+            const call_buffers x = buffers(op, n, in_place);
+            write(x);
+            comm.barrier();
+            const auto t0 = clock::now();
+            issue(op, n, x);
+            s = std::chrono::duration<double>(clock::now() - t0).count();
+          } else {
+            comm.barrier();
+            const auto t0 = clock::now();
+            for (int i = 0; i < iters; ++i) issue(op, n, buffers(op, n, in_place));
+            s = std::chrono::duration<double>(clock::now() - t0).count() / iters;
+          }
+          s = slowest(s);
+          if (rep >= 0) reps.push_back(s);
+        }
+        const std::uint64_t count = op == collective::all_reduce ? n : n / p;
+        samples.push_back(
+            {op, count, sizeof(T), static_cast<std::uint64_t>(P), median_of(reps), in_place});
       }
-      std::sort(reps.begin(), reps.end());
-      const double median = reps.size() % 2 == 1
-                                ? reps[reps.size() / 2]
-                                : 0.5 * (reps[reps.size() / 2 - 1] + reps[reps.size() / 2]);
-      const std::uint64_t count = op == collective::all_reduce ? n : n / p;
-      samples.push_back({op, count, sizeof(T), static_cast<std::uint64_t>(P), median});
     }
   }
   return samples;

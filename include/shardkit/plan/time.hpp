@@ -17,7 +17,9 @@
 //!
 //! A communicator whose collectives are not all rings of one link (a calibration shows it:
 //! plan/calibrate.hpp) can be given one measured link per collective inside a node
-//! (cluster::intra_all_reduce, intra_reduce_scatter, intra_all_gather), used in place of intra.
+//! (cluster::intra_all_reduce, intra_reduce_scatter, intra_all_gather), used in place of intra,
+//! and one per collective run in place (cluster::intra_all_reduce_in_place etc.), used for the
+//! collectives a step issues in place (collective_call::in_place; plan/comm.hpp).
 //!
 //!  - flat ring: one ring over the whole group. If it spans one node it runs on intra-node
 //!    links; otherwise its slowest link bounds every step: α = max(α_intra, α_inter),
@@ -71,16 +73,28 @@ struct cluster {
   std::optional<link> intra_all_reduce{};
   std::optional<link> intra_reduce_scatter{};
   std::optional<link> intra_all_gather{};
+  //! Links measured in place (the all-reduce on one buffer, the reduce-scatter into the rank's
+  //! own slice of its input, the all-gather from the rank's own slice of its output), for the
+  //! collectives a step issues in place (collective_call::in_place). A host communicator's
+  //! in-place all-reduce and all-gather cost about half what they do out of place (the output
+  //! is not a second array read before it is written). Unset: the collective's link above.
+  std::optional<link> intra_all_reduce_in_place{};
+  std::optional<link> intra_reduce_scatter_in_place{};
+  std::optional<link> intra_all_gather_in_place{};
 };
 
-//! The link of collective `op` inside a node of `c`: its own measured link where one is set.
-constexpr link intra_link(const cluster& c, collective op) noexcept {
+//! The link of collective `op` inside a node of `c`: its own measured link where one is set,
+//! for its placement (in place or not) where one is set for that.
+constexpr link intra_link(const cluster& c, collective op, bool in_place = false) noexcept {
   switch (op) {
     case collective::all_reduce:
+      if (in_place && c.intra_all_reduce_in_place) return *c.intra_all_reduce_in_place;
       return c.intra_all_reduce.value_or(c.intra);
     case collective::reduce_scatter:
+      if (in_place && c.intra_reduce_scatter_in_place) return *c.intra_reduce_scatter_in_place;
       return c.intra_reduce_scatter.value_or(c.intra);
     case collective::all_gather:
+      if (in_place && c.intra_all_gather_in_place) return *c.intra_all_gather_in_place;
       return c.intra_all_gather.value_or(c.intra);
     default:
       return c.intra;
@@ -125,7 +139,9 @@ constexpr const char* placement_problem(const setup& s, const cluster& c) noexce
   if (!(c.intra.latency_s >= 0) || !(c.inter.latency_s >= 0)) {
     return "link latencies must not be negative";
   }
-  for (const auto* l : {&c.intra_all_reduce, &c.intra_reduce_scatter, &c.intra_all_gather}) {
+  for (const auto* l : {&c.intra_all_reduce, &c.intra_reduce_scatter, &c.intra_all_gather,
+                        &c.intra_all_reduce_in_place, &c.intra_reduce_scatter_in_place,
+                        &c.intra_all_gather_in_place}) {
     if (l->has_value() && !((*l)->bytes_per_s > 0)) return "link bandwidths must be positive";
     if (l->has_value() && !((*l)->latency_s >= 0)) return "link latencies must not be negative";
   }
@@ -194,8 +210,8 @@ constexpr double ring_time(collective op, std::uint64_t count, std::uint64_t e, 
 
 //! The slowest link a flat ring of collective `op` over `where` crosses.
 constexpr link bottleneck(const placement& where, const cluster& c,
-                          collective op = collective::barrier) noexcept {
-  const link intra = intra_link(c, op);
+                          collective op = collective::barrier, bool in_place = false) noexcept {
+  const link intra = intra_link(c, op, in_place);
   if (where.nodes() <= 1) return intra;
   return {std::max(intra.latency_s, c.inter.latency_s),
           std::min(intra.bytes_per_s, c.inter.bytes_per_s)};
@@ -205,23 +221,23 @@ constexpr link bottleneck(const placement& where, const cluster& c,
 //! reduce-scatter/all-gather/all-to-all, the whole array for all-reduce/broadcast.
 constexpr double collective_time(collective op, std::uint64_t count, std::uint64_t elem_bytes,
                                  const placement& where, const cluster& c,
-                                 algorithm a = algorithm::ring) noexcept {
+                                 algorithm a = algorithm::ring, bool in_place = false) noexcept {
   const std::uint64_t g = where.per_node, m = where.nodes();  // g members on each of m nodes
   const bool two_level = a == algorithm::hierarchical && g > 1 && m > 1 &&
                          (op == collective::reduce_scatter || op == collective::all_gather ||
                           op == collective::all_reduce);
   if (!two_level) {
-    return detail::ring_time(op, count, elem_bytes, where.size, bottleneck(where, c, op));
+    return detail::ring_time(op, count, elem_bytes, where.size, bottleneck(where, c, op, in_place));
   }
   if (op == collective::all_reduce) {
     const std::uint64_t chunk = detail::ceil_div(count, g);
     return detail::ring_time(collective::reduce_scatter, chunk, elem_bytes, g,
-                             intra_link(c, collective::reduce_scatter)) +
+                             intra_link(c, collective::reduce_scatter, in_place)) +
            detail::ring_time(collective::all_reduce, chunk, elem_bytes, m, c.inter) +
            detail::ring_time(collective::all_gather, chunk, elem_bytes, g,
-                             intra_link(c, collective::all_gather));
+                             intra_link(c, collective::all_gather, in_place));
   }
-  return detail::ring_time(op, m * count, elem_bytes, g, intra_link(c, op)) +
+  return detail::ring_time(op, m * count, elem_bytes, g, intra_link(c, op, in_place)) +
          detail::ring_time(op, count, elem_bytes, m, c.inter);
 }
 
@@ -232,8 +248,9 @@ constexpr double comm_time_per_step(const setup& s, std::span<const unit> units,
                                     algorithm a = algorithm::ring) {
   double t = 0.0;
   for_each_collective(s, units, [&](const collective_call& call) {
-    t += static_cast<double>(call.repeat) *
-         collective_time(call.op, call.count, call.elem_bytes, place(s, call.group, c), c, a);
+    t += static_cast<double>(call.repeat) * collective_time(call.op, call.count, call.elem_bytes,
+                                                            place(s, call.group, c), c, a,
+                                                            call.in_place);
   });
   return t;
 }

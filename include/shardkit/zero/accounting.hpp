@@ -165,6 +165,11 @@ struct collective_call {
   std::uint64_t elem_bytes;  //!< bytes per element on the wire
   comm_group group;          //!< the ranks taking part
   std::uint64_t repeat;      //!< times per optimizer step
+  //! The engine issues it in place: the all-reduce on one buffer, the reduce-scatter into the
+  //! rank's own slice of its input, the all-gather from the rank's own slice of its output.
+  //! A host communicator's cost depends on it (an out-of-place output is a second array that
+  //! is read before it is written); plan/time.hpp can give each placement its own link.
+  bool in_place;
 };
 
 //! The shape of one stage's step: what the collectives depend on besides the groups.
@@ -201,11 +206,15 @@ constexpr void for_each_step_collective(const step_shape& s, std::size_t groups,
   const std::uint64_t eg = s.grad_bytes, ew = s.working_bytes;
   const bool sharded = s.shard_ranks > 1;
   auto each = [&](collective op, std::uint64_t count, std::uint64_t e, comm_group g,
-                  std::uint64_t repeat) {
-    if (repeat != 0 && count != 0) f(collective_call{op, count, e, g, repeat});
+                  std::uint64_t repeat, bool in_place) {
+    if (repeat != 0 && count != 0) f(collective_call{op, count, e, g, repeat, in_place});
   };
+  // In place: stage 0's all-reduce of the flat gradients, stage 1's reduce-scatter of them into
+  // the rank's slice, stages 1-2's all-gather of the working parameters from the rank's slice,
+  // the replica all-reduce of the gradient shard. Out of place: stage 2's reduce-scatter of a
+  // bucket into the shard, stage 3's gathers into a unit's buffer and its reduce-scatters.
   if (s.stage == 0) {
-    if (s.ranks > 1) each(collective::all_reduce, s.psi, eg, comm_group::world, 1);
+    if (s.ranks > 1) each(collective::all_reduce, s.psi, eg, comm_group::world, 1, true);
     return;
   }
   auto per_group = [&](auto&& fn) {
@@ -218,21 +227,22 @@ constexpr void for_each_step_collective(const step_shape& s, std::size_t groups,
   const std::uint64_t rounds = s.stage == 1 ? 1 : k;  // stage 2 reduces every micro-batch
   if (s.stage <= 2 && sharded) {
     per_group([&](std::uint64_t sg) {
-      each(collective::reduce_scatter, sg, eg, comm_group::shard, rounds);
+      each(collective::reduce_scatter, sg, eg, comm_group::shard, rounds, s.stage == 1);
     });
   }
   if (s.stage == 3 && sharded) {
     for (std::size_t i = 0; i < groups; ++i) {
       const group_shape g = group(i);
       const std::uint64_t gathers = g.persistent ? 1 : (g.reshard_after_forward ? 2 * k : k);
-      each(collective::all_gather, g.shard, ew, comm_group::shard, gathers);
-      each(collective::reduce_scatter, g.shard, eg, comm_group::shard, k);
+      each(collective::all_gather, g.shard, ew, comm_group::shard, gathers, false);
+      each(collective::reduce_scatter, g.shard, eg, comm_group::shard, k, false);
     }
   }
-  if (s.replicas() > 1) each(collective::all_reduce, s.shard, eg, comm_group::replica, 1);
+  if (s.replicas() > 1) each(collective::all_reduce, s.shard, eg, comm_group::replica, 1, true);
   if (s.stage <= 2 && sharded) {
-    per_group(
-        [&](std::uint64_t sg) { each(collective::all_gather, sg, ew, comm_group::shard, 1); });
+    per_group([&](std::uint64_t sg) {
+      each(collective::all_gather, sg, ew, comm_group::shard, 1, true);
+    });
   }
 }
 
