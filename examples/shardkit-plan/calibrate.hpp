@@ -5,7 +5,8 @@
 // against fitted times. Its flags are parsed in options.hpp.
 //
 //   shardkit-plan --calibrate [--comm thread|mpi] [--ranks N] [--max-bytes B] [--reps K]
-//                             [--dtype bf16|fp32] [--cold-bytes B]
+//                             [--dtype bf16|fp32] [--cold-bytes B] [--fresh-input]
+//                             [--in-place] [--async]
 //   mpiexec -np 4 shardkit-plan --calibrate          (the MPI world; --comm mpi is the default
 //                                                     under an MPI launcher)
 //
@@ -81,19 +82,24 @@ inline std::string format_bandwidth_flag(double bytes_per_s) {
 }
 
 //! The flags that put a calibration of `ranks` ranks on one node into shardkit-plan: the one
-//! link, then each collective's own link that `per` has (--intra-all-reduce-alpha/-bw etc.).
+//! link, then each collective's own link that `per` has (--intra-all-reduce-alpha/-bw etc.),
+//! then its in-place one (--intra-all-reduce-in-place-alpha/-bw etc.).
 inline std::string calibration_flags(const plan::link& l, std::uint64_t ranks,
                                      const plan::collective_fits& per = {}) {
   std::string flags = "--gpus-per-node " + std::to_string(ranks) + " --intra-alpha " +
                       format_duration_flag(l.latency_s) + " --intra-bw " +
                       format_bandwidth_flag(l.bytes_per_s);
-  for (const auto& [name, fit] :
-       {std::pair{"all-reduce", &per.all_reduce}, std::pair{"reduce-scatter", &per.reduce_scatter},
-        std::pair{"all-gather", &per.all_gather}}) {
-    if (!*fit) continue;
-    const plan::link& own = (*fit)->fitted;
-    flags += std::string(" --intra-") + name + "-alpha " + format_duration_flag(own.latency_s) +
-             " --intra-" + name + "-bw " + format_bandwidth_flag(own.bytes_per_s);
+  for (const bool in_place : {false, true}) {
+    for (const auto& [name, op] :
+         {std::pair{"all-reduce", shardkit::collective::all_reduce},
+          std::pair{"reduce-scatter", shardkit::collective::reduce_scatter},
+          std::pair{"all-gather", shardkit::collective::all_gather}}) {
+      const auto& fit = per.of(op, in_place);
+      if (!fit) continue;
+      const std::string flag = std::string(" --intra-") + name + (in_place ? "-in-place" : "");
+      flags += flag + "-alpha " + format_duration_flag(fit->fitted.latency_s) + flag + "-bw " +
+               format_bandwidth_flag(fit->fitted.bytes_per_s);
+    }
   }
   return flags;
 }
@@ -114,9 +120,10 @@ inline int print_calibration(const std::vector<plan::calibration_sample>& sample
                              std::uint64_t ranks, const plan::sweep_options& o) {
   std::printf(
       "shardkit-plan --calibrate: %s communicator, %llu ranks, %s, %zu B - %zu B buffers, "
-      "median of %d\n",
+      "median of %d%s%s\n",
       comm, static_cast<unsigned long long>(ranks), shardkit::name(o.element), o.min_bytes,
-      o.max_bytes, o.reps);
+      o.max_bytes, o.reps, o.fresh_input ? ", inputs written before each call" : "",
+      o.asynchronous ? ", asynchronous" : "");
   std::optional<plan::link_fit> fit;
   std::string why;
   try {
@@ -124,18 +131,19 @@ inline int print_calibration(const std::vector<plan::calibration_sample>& sample
   } catch (const plan::calibration_error& e) {
     why = e.what();
   }
-  std::printf("  %-15s %12s %13s %13s %8s\n", "collective", "bytes", "measured", "fitted", "error");
+  std::printf("  %-24s %12s %13s %13s %8s\n", "collective", "bytes", "measured", "fitted", "error");
   for (std::size_t i = 0; i < samples.size(); ++i) {
     const auto& s = samples[i];
     const std::uint64_t whole =
         (s.op == shardkit::collective::all_reduce ? s.count : s.count * s.ranks) * s.elem_bytes;
+    const std::string what = std::string(shardkit::name(s.op)) + (s.in_place ? " in place" : "");
     if (fit) {
       const double m = fit->model_seconds[i];
-      std::printf("  %-15s %12llu %13s %13s %+7.1f%%\n", shardkit::name(s.op),
+      std::printf("  %-24s %12llu %13s %13s %+7.1f%%\n", what.c_str(),
                   static_cast<unsigned long long>(whole), human_time(s.seconds).c_str(),
                   human_time(m).c_str(), 100.0 * (m - s.seconds) / s.seconds);
     } else {
-      std::printf("  %-15s %12llu %13s %13s %8s\n", shardkit::name(s.op),
+      std::printf("  %-24s %12llu %13s %13s %8s\n", what.c_str(),
                   static_cast<unsigned long long>(whole), human_time(s.seconds).c_str(), "-", "-");
     }
   }
@@ -163,22 +171,25 @@ inline int print_calibration(const std::vector<plan::calibration_sample>& sample
   plan::collective_fits per;
   try {
     per = plan::fit_links_per_collective(samples);
-    for (const auto& [nm, one] : {std::pair{"all_reduce", &per.all_reduce},
-                                  std::pair{"reduce_scatter", &per.reduce_scatter},
-                                  std::pair{"all_gather", &per.all_gather}}) {
-      if (!*one) continue;
-      std::printf("  %s alone: alpha %s, bandwidth %s; max relative error %.1f%%\n", nm,
-                  format_duration_flag((*one)->fitted.latency_s).c_str(),
-                  format_bandwidth_flag((*one)->fitted.bytes_per_s).c_str(),
-                  100.0 * (*one)->max_rel_error);
+    for (const bool in_place : {false, true}) {
+      for (const auto op : {shardkit::collective::all_reduce, shardkit::collective::reduce_scatter,
+                            shardkit::collective::all_gather}) {
+        const auto& one = per.of(op, in_place);
+        if (!one) continue;
+        std::printf(
+            "  %s%s alone: alpha %s, bandwidth %s; max relative error %.1f%%\n", shardkit::name(op),
+            in_place ? " in place" : "", format_duration_flag(one->fitted.latency_s).c_str(),
+            format_bandwidth_flag(one->fitted.bytes_per_s).c_str(), 100.0 * one->max_rel_error);
+      }
     }
   } catch (const plan::calibration_error& e) {
     std::printf("  per collective: %s\n", e.what());
   }
   std::printf(
       "flags for shardkit-plan (a node of %llu ranks like this one; the link, then each "
-      "collective's own):\n  %s\n",
-      static_cast<unsigned long long>(ranks), calibration_flags(f.fitted, ranks, per).c_str());
+      "collective's own%s):\n  %s\n",
+      static_cast<unsigned long long>(ranks), o.in_place ? ", then each one's in place" : "",
+      calibration_flags(f.fitted, ranks, per).c_str());
   return 0;
 }
 

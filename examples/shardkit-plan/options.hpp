@@ -13,7 +13,9 @@
 // --alpha sets both latencies, --intra-alpha and --inter-alpha then override their own; a
 // per-collective intra-node link (--intra-all-reduce-bw/-alpha, --intra-reduce-scatter-bw/-alpha,
 // --intra-all-gather-bw/-alpha; plan::cluster::intra_all_reduce etc.) exists when either of its
-// two flags is given, and takes the one not given from the intra-node link.
+// two flags is given, and takes the one not given from the intra-node link; an in-place one
+// (--intra-all-reduce-in-place-bw/-alpha etc.; plan::cluster::intra_all_reduce_in_place)
+// likewise, taking the one not given from the collective's own link (or the intra-node one).
 #pragma once
 
 #include <shardkit/plan/planner.hpp>
@@ -70,6 +72,8 @@ struct cluster_flags {
   std::optional<double> alpha;  // --alpha: both networks
   link_flags intra, inter;
   link_flags all_reduce, reduce_scatter, all_gather;  // --intra-<collective>-bw / -alpha
+  // --intra-<collective>-in-place-bw / -alpha
+  link_flags all_reduce_in_place, reduce_scatter_in_place, all_gather_in_place;
 
   void apply(plan::cluster& c) const {
     if (intra.bw) c.intra.bytes_per_s = *intra.bw;
@@ -77,13 +81,17 @@ struct cluster_flags {
     if (alpha) c.intra.latency_s = c.inter.latency_s = *alpha;
     if (intra.alpha) c.intra.latency_s = *intra.alpha;
     if (inter.alpha) c.inter.latency_s = *inter.alpha;
-    auto own = [&c](const link_flags& f) -> std::optional<plan::link> {
+    auto own = [](const link_flags& f, const plan::link& base) -> std::optional<plan::link> {
       if (!f.bw && !f.alpha) return std::nullopt;
-      return plan::link{f.alpha.value_or(c.intra.latency_s), f.bw.value_or(c.intra.bytes_per_s)};
+      return plan::link{f.alpha.value_or(base.latency_s), f.bw.value_or(base.bytes_per_s)};
     };
-    c.intra_all_reduce = own(all_reduce);
-    c.intra_reduce_scatter = own(reduce_scatter);
-    c.intra_all_gather = own(all_gather);
+    c.intra_all_reduce = own(all_reduce, c.intra);
+    c.intra_reduce_scatter = own(reduce_scatter, c.intra);
+    c.intra_all_gather = own(all_gather, c.intra);
+    c.intra_all_reduce_in_place = own(all_reduce_in_place, c.intra_all_reduce.value_or(c.intra));
+    c.intra_reduce_scatter_in_place =
+        own(reduce_scatter_in_place, c.intra_reduce_scatter.value_or(c.intra));
+    c.intra_all_gather_in_place = own(all_gather_in_place, c.intra_all_gather.value_or(c.intra));
   }
 };
 
@@ -281,6 +289,19 @@ inline void add_plan_options(CLI::App& app, options& o, cluster_flags& net) {
   latency("--intra-reduce-scatter-alpha", "its latency", net.reduce_scatter.alpha);
   bw("--intra-all-gather-bw", "all-gather's own link, likewise", net.all_gather.bw);
   latency("--intra-all-gather-alpha", "its latency", net.all_gather.alpha);
+  bw("--intra-all-reduce-in-place-bw",
+     "all-reduce's link when a step runs it in place (ZeRO-0's;\n"
+     "--calibrate --in-place measures one per collective); the\n"
+     "flag of the pair not given takes all-reduce's own link",
+     net.all_reduce_in_place.bw);
+  latency("--intra-all-reduce-in-place-alpha", "its latency", net.all_reduce_in_place.alpha);
+  bw("--intra-reduce-scatter-in-place-bw", "reduce-scatter's in place, likewise",
+     net.reduce_scatter_in_place.bw);
+  latency("--intra-reduce-scatter-in-place-alpha", "its latency",
+          net.reduce_scatter_in_place.alpha);
+  bw("--intra-all-gather-in-place-bw", "all-gather's in place, likewise",
+     net.all_gather_in_place.bw);
+  latency("--intra-all-gather-in-place-alpha", "its latency", net.all_gather_in_place.alpha);
 
   app.option_defaults()->group("output");
   add_valued(app, "--rank", "R", "report the bytes rank R sends (default 0)",
@@ -295,7 +316,8 @@ inline void add_plan_options(CLI::App& app, options& o, cluster_flags& net) {
 
 constexpr const char* calibrate_usage =
     "usage: shardkit-plan --calibrate [--comm thread|mpi] [--ranks N] [--max-bytes B] [--reps K]\n"
-    "                          [--dtype bf16|fp32] [--cold-bytes B]\n";
+    "                          [--dtype bf16|fp32] [--cold-bytes B] [--fresh-input]\n"
+    "                          [--in-place] [--async]\n";
 
 //! The flags of --calibrate, filling `o`.
 inline void add_calibrate_options(CLI::App& app, calibrate_options& o) {
@@ -354,6 +376,15 @@ inline void add_calibrate_options(CLI::App& app, calibrate_options& o) {
                if (b > (std::uint64_t{16} << 30)) cli::fail(f, v, "must be 0..16GiB");
                o.sweep.cold_bytes = static_cast<std::size_t>(b);
              });
+  app.add_flag("--fresh-input", o.sweep.fresh_input,
+               "each rank writes a call's input just before it (untimed), as\n"
+               "a step writes the gradients it reduces; calls timed one by one");
+  app.add_flag("--in-place", o.sweep.in_place,
+               "time in place as well, and print the in-place links\n"
+               "(--intra-all-reduce-in-place-bw etc.)");
+  app.add_flag("--async", o.sweep.asynchronous,
+               "issue the asynchronous collectives and wait, as the engine\n"
+               "issues its reduce-scatters and all-gathers");
   app.option_defaults()->group("");  // the planner's help lists --help
   add_help_flag(app);
 }
@@ -377,7 +408,8 @@ inline bool parse_calibrate_options(int argc, const char* const* argv, calibrate
   CLI::App app{"", "shardkit-plan"};
   detail::add_calibrate_options(app, o);
   return detail::run(app, argc, argv, "--calibrate: ",
-                     "; expected --comm, --ranks, --max-bytes, --reps, --dtype or --cold-bytes");
+                     "; expected --comm, --ranks, --max-bytes, --reps, --dtype, --cold-bytes, "
+                     "--fresh-input, --in-place or --async");
 }
 
 //! --help: the planner's flags, then --calibrate's.

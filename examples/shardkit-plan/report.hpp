@@ -55,9 +55,13 @@ inline std::string fmt_time(double s) {
 //! "all-reduce 12 GB/s, 3.1 us; all-gather ...": the links set per collective, or "".
 inline std::string own_links(const plan::cluster& c) {
   std::string out;
-  for (const auto& [name, l] : {std::pair{"all-reduce", &c.intra_all_reduce},
-                                std::pair{"reduce-scatter", &c.intra_reduce_scatter},
-                                std::pair{"all-gather", &c.intra_all_gather}}) {
+  for (const auto& [name, l] :
+       {std::pair{"all-reduce", &c.intra_all_reduce},
+        std::pair{"reduce-scatter", &c.intra_reduce_scatter},
+        std::pair{"all-gather", &c.intra_all_gather},
+        std::pair{"all-reduce in place", &c.intra_all_reduce_in_place},
+        std::pair{"reduce-scatter in place", &c.intra_reduce_scatter_in_place},
+        std::pair{"all-gather in place", &c.intra_all_gather_in_place}}) {
     if (!*l) continue;
     char buf[128];
     std::snprintf(buf, sizeof buf, "%s%s %.4g GB/s, %.3g us", out.empty() ? "" : "; ", name,
@@ -227,15 +231,19 @@ inline void print_json(const options& o, const plan::plan_report& r,
   std::printf("  \"gpu_mem_bytes\": %" PRIu64 ", \"headroom_bytes\": %" PRIu64
               ", \"usable_bytes\": %" PRIu64 ", \"activation_bytes\": %" PRIu64 ",\n",
               budget.memory_bytes, budget.headroom_bytes, budget.usable(), s0.activation_bytes);
-  std::printf("  \"gpus_per_node\": %" PRIu64
-              ", \"intra_node\": {\"bytes_per_s\": %.17g, \"latency_s\": %.17g}"
-              ", \"inter_node\": {\"bytes_per_s\": %.17g, \"latency_s\": %.17g},\n"
-              "  %s, %s, %s, \"rank\": %" PRIu64 "},\n",
-              o.cluster.gpus_per_node, o.cluster.intra.bytes_per_s, o.cluster.intra.latency_s,
-              o.cluster.inter.bytes_per_s, o.cluster.inter.latency_s,
-              json_link("intra_all_reduce", o.cluster.intra_all_reduce).c_str(),
-              json_link("intra_reduce_scatter", o.cluster.intra_reduce_scatter).c_str(),
-              json_link("intra_all_gather", o.cluster.intra_all_gather).c_str(), o.rank);
+  std::printf(
+      "  \"gpus_per_node\": %" PRIu64
+      ", \"intra_node\": {\"bytes_per_s\": %.17g, \"latency_s\": %.17g}"
+      ", \"inter_node\": {\"bytes_per_s\": %.17g, \"latency_s\": %.17g},\n"
+      "  %s, %s, %s,\n  %s, %s, %s, \"rank\": %" PRIu64 "},\n",
+      o.cluster.gpus_per_node, o.cluster.intra.bytes_per_s, o.cluster.intra.latency_s,
+      o.cluster.inter.bytes_per_s, o.cluster.inter.latency_s,
+      json_link("intra_all_reduce", o.cluster.intra_all_reduce).c_str(),
+      json_link("intra_reduce_scatter", o.cluster.intra_reduce_scatter).c_str(),
+      json_link("intra_all_gather", o.cluster.intra_all_gather).c_str(),
+      json_link("intra_all_reduce_in_place", o.cluster.intra_all_reduce_in_place).c_str(),
+      json_link("intra_reduce_scatter_in_place", o.cluster.intra_reduce_scatter_in_place).c_str(),
+      json_link("intra_all_gather_in_place", o.cluster.intra_all_gather_in_place).c_str(), o.rank);
   std::printf(" \"stages\": [\n");
   for (std::size_t i = 0; i < r.stages.size(); ++i) {
     const auto& x = r.stages[i];

@@ -62,8 +62,10 @@ foreach(net intra_node inter_node)
     get_json(v inputs ${net} ${key})
   endforeach()
 endforeach()
-# Each collective's own intra-node link: null (it uses intra_node) or {bytes_per_s, latency_s}.
-foreach(op intra_all_reduce intra_reduce_scatter intra_all_gather)
+# Each collective's own intra-node link, and its in-place one: null (it uses intra_node, or the
+# collective's own) or {bytes_per_s, latency_s}.
+foreach(op intra_all_reduce intra_reduce_scatter intra_all_gather intra_all_reduce_in_place
+           intra_reduce_scatter_in_place intra_all_gather_in_place)
   get_json(v inputs ${op})
   string(JSON type TYPE "${out}" inputs ${op})
   if(type STREQUAL "OBJECT")

@@ -108,6 +108,23 @@ TEST_CASE("shardkit-plan options: per-collective intra-node links") {
   CHECK(o.cluster.intra.bytes_per_s == Approx(100e9));
 }
 
+TEST_CASE("shardkit-plan options: in-place intra-node links") {
+  const auto o =
+      parse({"--intra-all-reduce-in-place-bw", "30GB/s", "--intra-all-reduce-bw", "12GB/s",
+             "--intra-all-reduce-alpha", "3us", "--intra-all-gather-in-place-alpha", "2us",
+             "--intra-bw", "100GB/s", "--intra-alpha", "1us"});
+  REQUIRE(o.cluster.intra_all_reduce_in_place);
+  CHECK(o.cluster.intra_all_reduce_in_place->bytes_per_s == Approx(30e9));
+  // The value not given comes from the collective's own link, whatever the order of the flags.
+  CHECK(o.cluster.intra_all_reduce_in_place->latency_s == Approx(3e-6));
+  // ... or from the intra-node link where the collective has none.
+  REQUIRE(o.cluster.intra_all_gather_in_place);
+  CHECK(o.cluster.intra_all_gather_in_place->latency_s == Approx(2e-6));
+  CHECK(o.cluster.intra_all_gather_in_place->bytes_per_s == Approx(100e9));
+  CHECK_FALSE(o.cluster.intra_all_gather);
+  CHECK_FALSE(o.cluster.intra_reduce_scatter_in_place);
+}
+
 TEST_CASE("shardkit-plan options: a per-collective link changes the time as the library's does") {
   const auto o = parse({"--intra-all-reduce-bw", "1GiB/s", "--intra-all-reduce-alpha", "0s",
                         "--intra-reduce-scatter-bw", "2GB/s"});
@@ -200,7 +217,12 @@ TEST_CASE("shardkit-plan options: --help wins, and lists every flag") {
                            "--comm thread|mpi",
                            "--max-bytes B",
                            "--reps K",
-                           "--cold-bytes B"}) {
+                           "--cold-bytes B",
+                           "--fresh-input",
+                           "--in-place",
+                           "--async",
+                           "--intra-all-reduce-in-place-bw BW",
+                           "--intra-all-gather-in-place-alpha T"}) {
     CHECK_THAT(help, Contains(std::string("    ") + flag));
   }
 }
@@ -218,6 +240,15 @@ TEST_CASE("shardkit-plan options: --calibrate's flags") {
   CHECK(c.comm == "thread");
   CHECK(c.ranks == 3);
   CHECK(c.ranks_given);
+  CHECK_FALSE(c.sweep.fresh_input);
+  CHECK_FALSE(c.sweep.in_place);
+  CHECK_FALSE(c.sweep.asynchronous);
+  const command_line like_step({"--calibrate", "--fresh-input", "--in-place", "--async"});
+  REQUIRE(shardkit_plan::parse_calibrate_options(like_step.argc(), like_step.argv.data(), c));
+  CHECK(c.sweep.fresh_input);
+  CHECK(c.sweep.in_place);
+  CHECK(c.sweep.out_of_place);
+  CHECK(c.sweep.asynchronous);
 
   const shardkit_plan::calibrate_options d;
   CHECK(d.sweep.element == shardkit::dtype::bf16);
@@ -238,12 +269,17 @@ TEST_CASE("shardkit-plan --calibrate: the printed flags, per collective too, par
   per.all_reduce->fitted = plan::link{2.5e-6, 3.3e9};
   per.all_gather.emplace();
   per.all_gather->fitted = plan::link{0, 750e6};  // no reduce-scatter fit: it keeps the link
+  per.all_reduce_in_place.emplace();
+  per.all_reduce_in_place->fitted = plan::link{1.5e-6, 9.1e9};
   const plan::link one{3.1e-6, 5.2e9};
   const std::string flags = shardkit_plan::calibration_flags(one, 4, per);
   INFO(flags);
   CHECK_THAT(flags, Contains("--intra-all-reduce-alpha 2.5us --intra-all-reduce-bw 3.3GB/s"));
   CHECK_THAT(flags, Contains("--intra-all-gather-alpha 0us --intra-all-gather-bw 750MB/s"));
   CHECK_THAT(flags, !Contains("reduce-scatter"));
+  CHECK_THAT(flags, Contains("--intra-all-reduce-in-place-alpha 1.5us "
+                             "--intra-all-reduce-in-place-bw 9.1GB/s"));
+  CHECK_THAT(flags, !Contains("all-gather-in-place"));
 
   std::istringstream in(flags);
   std::vector<std::string> args;
@@ -259,4 +295,8 @@ TEST_CASE("shardkit-plan --calibrate: the printed flags, per collective too, par
   REQUIRE(o.cluster.intra_all_gather);
   CHECK(o.cluster.intra_all_gather->latency_s == 0);
   CHECK(o.cluster.intra_all_gather->bytes_per_s == Approx(750e6).epsilon(1e-3));
+  REQUIRE(o.cluster.intra_all_reduce_in_place);
+  CHECK(o.cluster.intra_all_reduce_in_place->latency_s == Approx(1.5e-6).epsilon(1e-3));
+  CHECK(o.cluster.intra_all_reduce_in_place->bytes_per_s == Approx(9.1e9).epsilon(1e-3));
+  CHECK_FALSE(o.cluster.intra_all_gather_in_place);
 }
