@@ -2,7 +2,8 @@
 // (plan/calibrate.hpp), then predict the communication time of one engine step for stages 0-3
 // (plan::comm_time_per_step) and measure it.
 //
-//   shardkit_bench_time_model [--size=tiny|full] [--ranks 2,4] [--reps K] [--max-bytes B]
+//   shardkit_bench_time_model [--size=tiny|full] [--ranks 2,4] [--reps K] [--min-bytes B]
+//                             [--max-bytes B] [--cold-bytes B] [--async 0|1]
 //   mpiexec -np 4 shardkit_bench_time_model [--size=...] [--reps K]   (the MPI communicator)
 //
 // The model is benchmarks/engine.cpp's: L units, each a d x d weight and a d bias, bf16 working
@@ -11,27 +12,35 @@
 // over with grad_ready, then step(). There is no model compute.
 //
 // For each communicator size N (in-process ranks, or the MPI world):
-//  1. calibrate: plan::calibrate sweeps all-gather, reduce-scatter and all-reduce (4 KiB to
-//     --max-bytes, bf16 as the step's gradients and working parameters: the host reduction
-//     costs more per byte in bf16 than in fp32) and fits one link (alpha, bandwidth);
-//  2. predict: plan::comm_time_per_step for the model's units on a cluster of one node of
-//     N GPUs whose intra-node link is the fit (flat rings);
-//  3. measure, per stage, over --reps steps after one warm-up step, two definitions of the
-//     communication time of a step, each the slowest rank's (max over ranks), median over steps:
-//     - "in comm": seconds inside the communicator's calls during the step, timed by
-//       timed_comm (comm/timed.hpp): every synchronous collective, and for asynchronous ones the
-//       time to issue them plus the time spent in wait()/test(). This is the blocked (exposed)
-//       communication time, and the primary measurement.
-//     - "wall-opt": the step's wall time minus step_report::optimizer_seconds. It also counts
-//       everything else the engine does outside the optimizer (copying gradients into buckets,
-//       bf16 conversions, ZeRO-3 bookkeeping, the step's control collectives), so it is an upper
-//       bound of the communication time, looser for small models.
-//     Both include the engine's small control collectives (schedule check, overflow/norm
+//  1. calibrate: plan::measure_collectives sweeps all-gather, reduce-scatter and all-reduce
+//     (--min-bytes, default 4 KiB, to --max-bytes, x4; bf16 as the step's gradients and working
+//     parameters), out of place and in place, each call's input written by its rank just before
+//     the call and issued asynchronously (--async 0: synchronously), as the engine's step finds
+//     and issues its collectives; the buffers are reused (--cold-bytes B: calls walk through B
+//     bytes of buffers instead, and find their outputs out of cache). Fitted twice: one link for
+//     everything (plan::fit_link), and one link per collective and placement
+//     (plan::fit_links_per_collective).
+//  2. predict: plan::comm_time_per_step for the model's units on a cluster of one node of N
+//     GPUs: "one" with the single link, "pred" with the per-collective links, each call of the
+//     step on the link of its placement (collective_call::in_place).
+//  3. measure, per stage, over --reps steps after one warm-up step, each the slowest rank's or
+//     the collectives' own (below), median over steps:
+//     - "own" (the comparison): each collective from the last rank's arrival to the last rank's
+//       exit, summed, in steps run with timed_comm's serialize set: every asynchronous
+//       collective completes at its issue, so the step's collectives run one after another and
+//       overlap nothing, the model's assumption (plan/time.hpp). q1-q3: its quartiles over steps.
+//     - as the engine runs (asynchronous collectives overlapping the step's other work and each
+//       other): "ovl_own" the same sum (an asynchronous one counted from its issue to its
+//       wait(), an over-estimate), "ovl_comm" the slowest rank's seconds inside the
+//       communicator's calls (timed_comm: the blocked, exposed time), "ovl_w-o" the step's wall
+//       time minus step_report::optimizer_seconds (an upper bound: it also counts the engine's
+//       copies, casts and bookkeeping).
+//     All include the engine's small control collectives (schedule check, overflow/norm
 //     agreement), which the model does not count: they matter only where the data collectives are
 //     tiny (--size=tiny).
-//  Printed per N and stage: predicted, in comm, wall-opt, the ratios predicted / measured, the
-//  collectives issued against the model's count, and bytes_sent against plan::bytes_sent_per_step
-//  (a check that the model's list of collectives is the engine's).
+//  Printed per N and stage: the predictions, the measurements, pred/own and one/own, the
+//  collectives issued against the model's count, and whether bytes_sent equals
+//  plan::bytes_sent_per_step (a check that the model's list of collectives is the engine's).
 //
 // Timings need an idle machine; this program checks nothing but that it runs (a smoke ctest
 // runs --size=tiny).
@@ -71,7 +80,15 @@ struct config {
   std::vector<int> ranks{2, 4};
   int reps = 7;
   // the gradients' type; cache-cold buffers, as a step's collectives find theirs
-  plan::sweep_options sweep{.cold_bytes = std::size_t{256} << 20, .element = shardkit::dtype::bf16};
+  // The step's gradients and parameters are written just before they are reduced or gathered
+  // and, at this model's size, still in cache; the step issues them asynchronously, some in
+  // place: the sweep times its collectives the same way (see the file comment).
+  plan::sweep_options sweep{.cold_bytes = 0,
+                            .fresh_input = true,
+                            .out_of_place = true,
+                            .in_place = true,
+                            .asynchronous = true,
+                            .element = shardkit::dtype::bf16};
 };
 
 //! The measurements of one stage on one communicator (the same on every rank).
@@ -79,14 +96,20 @@ struct stage_result {
   double in_comm = 0;        // median over steps of the slowest rank's seconds inside collectives
   double wall_opt = 0;       // median over steps of the slowest rank's wall − optimizer seconds
   double after_arrival = 0;  // median over steps of the collectives' own time (after_last_arrival)
+  double q1 = 0, q3 = 0;     // its first and third quartiles over steps
   std::uint64_t calls = 0;   // data and control collectives issued by rank 0 in one step
   std::uint64_t bytes_sent = 0;  // step_report::bytes_sent of rank 0
 };
 
-double median(std::vector<double> v) {
+//! The q-quantile of v (0 ≤ q ≤ 1), linear between order statistics.
+double quantile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  const double x = q * static_cast<double>(v.size() - 1);
+  const auto i = static_cast<std::size_t>(x);
+  return i + 1 < v.size() ? v[i] + (x - static_cast<double>(i)) * (v[i + 1] - v[i]) : v[i];
+}
+double median(std::vector<double> v) {
+  return quantile(std::move(v), 0.5);
 }
 
 std::vector<plan::unit> units_of(const model_shape& m) {
@@ -120,7 +143,7 @@ double after_last_arrival(Timed& tc) {
 
 //! One rank of `comm` runs `reps` timed engine steps of stage S (collective).
 template <int S, class Comm>
-stage_result measure_stage(Comm& comm, const config& c) {
+stage_result measure_stage(Comm& comm, const config& c, bool serialize) {
   using timed = shardkit::timed_comm<Comm>;
   using engine_t = shardkit::engine<timed, shardkit::stage<S>, shardkit::bf16, shardkit::adamw>;
   const int rank = comm.rank();
@@ -128,6 +151,7 @@ stage_result measure_stage(Comm& comm, const config& c) {
   const bench::model model(c.shape);
   const auto grads = model.grads(rank);
   engine_t e(tc, model.spec, shardkit::adam_options{.lr = 1e-4f});
+  tc.timing().serialize = serialize;
   auto step = [&] { return bench::full_step_report(e, grads); };
   step();  // warm-up: first touch, ZeRO-3 learns its prefetch order
   stage_result r;
@@ -152,6 +176,8 @@ stage_result measure_stage(Comm& comm, const config& c) {
   }
   r.in_comm = median(in_comm);
   r.after_arrival = median(after_arrival);
+  r.q1 = quantile(after_arrival, 0.25);
+  r.q3 = quantile(after_arrival, 0.75);
   r.wall_opt = median(wall_opt);
   return r;
 }
@@ -159,24 +185,22 @@ stage_result measure_stage(Comm& comm, const config& c) {
 //! Calibration and the four stages on one communicator (collective); results on every rank.
 struct run_result {
   std::vector<plan::calibration_sample> samples;
-  stage_result stages[4];
+  stage_result serial[4];   // every collective completed at its issue (what the model predicts)
+  stage_result overlap[4];  // as the engine runs (asynchronous collectives overlap)
 };
 
 template <class Comm>
 run_result run_all(Comm& comm, const config& c) {
   run_result r;
   r.samples = plan::measure_collectives(comm, c.sweep);
-  r.stages[0] = measure_stage<0>(comm, c);
-  r.stages[1] = measure_stage<1>(comm, c);
-  r.stages[2] = measure_stage<2>(comm, c);
-  r.stages[3] = measure_stage<3>(comm, c);
+  for (const bool serialize : {true, false}) {
+    stage_result* out = serialize ? r.serial : r.overlap;
+    out[0] = measure_stage<0>(comm, c, serialize);
+    out[1] = measure_stage<1>(comm, c, serialize);
+    out[2] = measure_stage<2>(comm, c, serialize);
+    out[3] = measure_stage<3>(comm, c, serialize);
+  }
   return r;
-}
-
-std::string us(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f", s * 1e6);
-  return buf;
 }
 
 //! Prints one communicator's table; returns 1 when the calibration could not be fitted.
@@ -202,35 +226,39 @@ int report(const char* comm_name, int N, const config& c, const run_result& r) {
       100.0 * fit.max_rel_error, fit.latency_fixed_at_zero ? ", alpha fixed at 0" : "");
   plan::cluster cl_op = cl;  // one fitted link per collective
   plan::set_per_collective_links(cl_op, per_op);
-  for (const auto& [nm, f] : {std::pair{"all_reduce", &per_op.all_reduce},
-                              std::pair{"reduce_scatter", &per_op.reduce_scatter},
-                              std::pair{"all_gather", &per_op.all_gather}}) {
-    if (!*f) continue;
-    std::printf("  %s alone: alpha %.3g us, bandwidth %.4g GB/s (max relative error %.1f%%)\n", nm,
-                (*f)->fitted.latency_s * 1e6, (*f)->fitted.bytes_per_s / 1e9,
-                100.0 * (*f)->max_rel_error);
+  for (const bool in_place : {false, true}) {
+    for (const auto op : {shardkit::collective::all_reduce, shardkit::collective::reduce_scatter,
+                          shardkit::collective::all_gather}) {
+      const auto& f = per_op.of(op, in_place);
+      if (!f) continue;
+      std::printf("  %s%s alone: alpha %.3g us, bandwidth %.4g GB/s (max relative error %.1f%%)\n",
+                  shardkit::name(op), in_place ? " in place" : "", f->fitted.latency_s * 1e6,
+                  f->fitted.bytes_per_s / 1e9, 100.0 * f->max_rel_error);
+    }
   }
-  std::printf("  %-6s %12s %12s %12s %12s %12s %9s %9s %9s %7s %7s %14s %s\n", "stage",
-              "predicted_us", "per_op_us", "own_us", "in_comm_us", "wall-opt_us", "pred/own",
-              "op/own", "op/comm", "calls", "model", "bytes_sent", "bytes");
+  std::printf("  %-5s %10s %10s %10s %17s %9s %9s %10s %10s %9s %5s %5s %s\n", "stage", "one_us",
+              "pred_us", "own_us", "own_q1-q3_us", "pred/own", "one/own", "ovl_own", "ovl_comm",
+              "ovl_w-o", "calls", "model", "bytes_sent");
   for (int st = 0; st < 4; ++st) {
     plan::setup s;
     s.stage = st;
     s.ranks = static_cast<std::uint64_t>(N);
     s.bytes = plan::precision_of(shardkit::dtype::bf16, shardkit::dtype::bf16,
                                  plan::optimizer_kind::adamw);
-    const double predicted = plan::comm_time_per_step(s, units, cl);
-    const double predicted_op = plan::comm_time_per_step(s, units, cl_op);
+    const double one = plan::comm_time_per_step(s, units, cl);
+    const double predicted = plan::comm_time_per_step(s, units, cl_op);
     const plan::comm_bytes b = plan::bytes_sent_per_step(s, units, 0);
-    const stage_result& m = r.stages[st];
-    std::printf("  %-6d %12s %12s %12s %12s %12s %9.3f %9.3f %9.3f %7llu %7llu %14llu %s\n", st,
-                us(predicted).c_str(), us(predicted_op).c_str(), us(m.after_arrival).c_str(),
-                us(m.in_comm).c_str(), us(m.wall_opt).c_str(), predicted / m.after_arrival,
-                predicted_op / m.after_arrival, predicted_op / m.in_comm,
-                static_cast<unsigned long long>(m.calls),
+    const stage_result& m = r.serial[st];
+    const stage_result& o = r.overlap[st];
+    char quart[48];
+    std::snprintf(quart, sizeof quart, "%.0f-%.0f", m.q1 * 1e6, m.q3 * 1e6);
+    std::printf("  %-5d %10.0f %10.0f %10.0f %17s %9.3f %9.3f %10.0f %10.0f %9.0f %5llu %5llu %s\n",
+                st, one * 1e6, predicted * 1e6, m.after_arrival * 1e6, quart,
+                predicted / m.after_arrival, one / m.after_arrival, o.after_arrival * 1e6,
+                o.in_comm * 1e6, o.wall_opt * 1e6, static_cast<unsigned long long>(m.calls),
                 static_cast<unsigned long long>(b.calls()),
-                static_cast<unsigned long long>(m.bytes_sent),
-                m.bytes_sent == b.total() ? "= model" : "DIFFERS from the model");
+                m.bytes_sent == b.total() && o.bytes_sent == b.total() ? "= model"
+                                                                       : "DIFFERS from the model");
   }
   return 0;
 }
@@ -238,7 +266,8 @@ int report(const char* comm_name, int N, const config& c, const run_result& r) {
 [[noreturn]] void usage(const std::string& why) {
   throw std::invalid_argument(why +
                               "\nusage: shardkit_bench_time_model [--size=tiny|full] "
-                              "[--ranks 2,4] [--reps K] [--max-bytes B] [--cold-bytes B]");
+                              "[--ranks 2,4] [--reps K] [--min-bytes B] [--max-bytes B] "
+                              "[--cold-bytes B] [--async 0|1]");
 }
 
 config parse(int argc, char** argv) {
@@ -271,6 +300,12 @@ config parse(int argc, char** argv) {
     } else if (a == "--max-bytes") {
       c.sweep.max_bytes = static_cast<std::size_t>(std::strtoull(v.c_str(), nullptr, 10));
       if (c.sweep.max_bytes < 4 * c.sweep.min_bytes) usage("--max-bytes: expected at least 16384");
+    } else if (a == "--min-bytes") {
+      c.sweep.min_bytes = static_cast<std::size_t>(std::strtoull(v.c_str(), nullptr, 10));
+      if (c.sweep.min_bytes < 4) usage("--min-bytes: expected at least 4");
+    } else if (a == "--async") {
+      if (v != "0" && v != "1") usage("--async: '" + v + "': expected 0 or 1");
+      c.sweep.asynchronous = v == "1";
     } else if (a == "--cold-bytes") {
       c.sweep.cold_bytes = static_cast<std::size_t>(std::strtoull(v.c_str(), nullptr, 10));
     } else {
@@ -283,13 +318,16 @@ config parse(int argc, char** argv) {
 void header(const config& c) {
   std::printf(
       "time model vs measurement: %zu units of %zu x %zu + %zu (bf16, AdamW), %d steps "
-      "per stage (median), calibration 4 KiB - %zu B\n",
-      c.shape.layers, c.shape.d, c.shape.d, c.shape.d, c.reps, c.sweep.max_bytes);
+      "per stage (median), calibration %zu B - %zu B (%s inputs, %s, %s)\n",
+      c.shape.layers, c.shape.d, c.shape.d, c.shape.d, c.reps, c.sweep.min_bytes, c.sweep.max_bytes,
+      c.sweep.fresh_input ? "fresh" : "reused",
+      c.sweep.cold_bytes != 0 ? "cold walk" : "reused buffers",
+      c.sweep.asynchronous ? "asynchronous" : "synchronous");
   std::printf(
-      "predicted = plan::comm_time_per_step (flat rings, the calibrated link); own = each "
-      "collective from the last rank's arrival to the last rank's exit, summed; in_comm = "
-      "seconds inside collectives (timed_comm); wall-opt = step wall time - "
-      "optimizer_seconds; the last two the slowest rank's\n");
+      "one / pred = plan::comm_time_per_step with one calibrated link / one link per collective "
+      "and placement; own = each collective from the last rank's arrival to the last rank's "
+      "exit, summed, collectives serialized (the model's assumption); ovl_* = as the engine "
+      "runs: own, seconds inside collectives (timed_comm), wall - optimizer seconds\n");
 }
 
 }  // namespace
