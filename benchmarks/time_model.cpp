@@ -2,8 +2,9 @@
 // (plan/calibrate.hpp), then predict the communication time of one engine step for stages 0-3
 // (plan::comm_time_per_step) and measure it.
 //
-//   shardkit_bench_time_model [--size=tiny|full] [--ranks 2,4] [--reps K] [--min-bytes B]
-//                             [--max-bytes B] [--cold-bytes B] [--async 0|1]
+//   shardkit_bench_time_model [--size=tiny|full] [--ranks 2,4] [--reps K] [--rounds R]
+//                             [--min-bytes B] [--max-bytes B] [--growth G] [--cold-bytes B]
+//                             [--async 0|1]
 //   mpiexec -np 4 shardkit_bench_time_model [--size=...] [--reps K]   (the MPI communicator)
 //
 // The model is benchmarks/engine.cpp's: L units, each a d x d weight and a d bias, bf16 working
@@ -12,34 +13,42 @@
 // over with grad_ready, then step(). There is no model compute.
 //
 // For each communicator size N (in-process ranks, or the MPI world):
+//  --rounds R (default 5) times: 1.-3. below, so that the machine's drift reaches calibration and
+//  measurement alike; printed: the links of the first round, pred/own of every round, and per
+//  stage the medians over rounds.
 //  1. calibrate: plan::measure_collectives sweeps all-gather, reduce-scatter and all-reduce
-//     (--min-bytes, default 4 KiB, to --max-bytes, x4; bf16 as the step's gradients and working
-//     parameters), out of place and in place, each call's input written by its rank just before
-//     the call and issued asynchronously (--async 0: synchronously), as the engine's step finds
-//     and issues its collectives; the buffers are reused (--cold-bytes B: calls walk through B
-//     bytes of buffers instead, and find their outputs out of cache). Fitted twice: one link for
-//     everything (plan::fit_link), and one link per collective and placement
-//     (plan::fit_links_per_collective).
+//     (--min-bytes, default 4 KiB, to --max-bytes, x --growth, default 4; 11 repetitions; bf16 as
+//     the step's gradients and working parameters), out of place and in place, each call's input
+//     written by its rank just before the call and issued asynchronously (--async 0:
+//     synchronously), as the engine's step finds and issues its collectives; the buffers are reused
+//     (--cold-bytes B: calls walk through B bytes of buffers instead, and find their outputs out of
+//     cache). Fitted twice: one link for everything (plan::fit_link), and one link per collective
+//     and placement (plan::fit_links_per_collective).
 //  2. predict: plan::comm_time_per_step for the model's units on a cluster of one node of N
 //     GPUs: "one" with the single link, "pred" with the per-collective links, each call of the
 //     step on the link of its placement (collective_call::in_place).
 //  3. measure, per stage, over --reps steps after one warm-up step, each the slowest rank's or
 //     the collectives' own (below), median over steps:
-//     - "own" (the comparison): each collective from the last rank's arrival to the last rank's
+//     - "own" (the comparison): each collective from the last rank's arrival to the first rank's
 //       exit, summed, in steps run with timed_comm's serialize set: every asynchronous
 //       collective completes at its issue, so the step's collectives run one after another and
 //       overlap nothing, the model's assumption (plan/time.hpp). q1-q3: its quartiles over steps.
+//       "own_last": to the last rank's exit instead (see after_last_arrival for why the first
+//       exit: with more ranks than cores the last exit waits for a core). An MPI rank may leave
+//       a collective before the others are done (no closing rendezvous): there the first exit
+//       can come early, and the two bracket the collective's time.
 //     - as the engine runs (asynchronous collectives overlapping the step's other work and each
-//       other): "ovl_own" the same sum (an asynchronous one counted from its issue to its
-//       wait(), an over-estimate), "ovl_comm" the slowest rank's seconds inside the
+//       other): "ovl_own" the same sum to the first exit (an asynchronous one counted from its
+//       issue to its wait(), an over-estimate), "ovl_comm" the slowest rank's seconds inside the
 //       communicator's calls (timed_comm: the blocked, exposed time), "ovl_w-o" the step's wall
 //       time minus step_report::optimizer_seconds (an upper bound: it also counts the engine's
 //       copies, casts and bookkeeping).
 //     All include the engine's small control collectives (schedule check, overflow/norm
 //     agreement), which the model does not count: they matter only where the data collectives are
 //     tiny (--size=tiny).
-//  Printed per N and stage: the predictions, the measurements, pred/own and one/own, the
-//  collectives issued against the model's count, and whether bytes_sent equals
+//  Printed per N and stage (medians over rounds): the predictions, the measurements, pred/own
+//  (and its range over rounds) and one/own, the collectives issued against the model's count,
+//  and whether bytes_sent equals
 //  plan::bytes_sent_per_step (a check that the model's list of collectives is the engine's).
 //
 // Timings need an idle machine; this program checks nothing but that it runs (a smoke ctest
@@ -79,11 +88,15 @@ struct config {
   model_shape shape{1024, 8};
   std::vector<int> ranks{2, 4};
   int reps = 7;
+  int rounds = 5;  // calibrate-then-measure rounds; ratios are reported per round and as medians
   // the gradients' type; cache-cold buffers, as a step's collectives find theirs
   // The step's gradients and parameters are written just before they are reduced or gathered
   // and, at this model's size, still in cache; the step issues them asynchronously, some in
   // place: the sweep times its collectives the same way (see the file comment).
-  plan::sweep_options sweep{.cold_bytes = 0,
+  // Single calls are noisier than back-to-back ones: more repetitions per size.
+  plan::sweep_options sweep{.reps = 11,
+                            .warmup = 2,
+                            .cold_bytes = 0,
                             .fresh_input = true,
                             .out_of_place = true,
                             .in_place = true,
@@ -95,8 +108,9 @@ struct config {
 struct stage_result {
   double in_comm = 0;        // median over steps of the slowest rank's seconds inside collectives
   double wall_opt = 0;       // median over steps of the slowest rank's wall − optimizer seconds
-  double after_arrival = 0;  // median over steps of the collectives' own time (after_last_arrival)
+  double after_arrival = 0;  // median over steps of the collectives' own time, to the first exit
   double q1 = 0, q3 = 0;     // its first and third quartiles over steps
+  double to_last_exit = 0;   // median over steps of the own time to the last exit
   std::uint64_t calls = 0;   // data and control collectives issued by rank 0 in one step
   std::uint64_t bytes_sent = 0;  // step_report::bytes_sent of rank 0
 };
@@ -116,29 +130,53 @@ std::vector<plan::unit> units_of(const model_shape& m) {
   return std::vector<plan::unit>(m.layers, plan::unit{m.d * m.d + m.d});
 }
 
-//! The step's collectives' own time (collective): for each call of the step, from the moment the
-//! last rank entered it to the moment the last rank left it (its wait(), for an asynchronous
-//! one), summed over the calls. Unlike the time inside the calls, it leaves out the time early
-//! ranks wait for late ones. Every rank must have logged the same calls (the engine's schedule
-//! check sees to that); the ranks share one steady clock (threads of a process, or processes of
-//! one machine).
+//! The planner's description of the benchmark's engine: stage `st` on N ranks, bf16, AdamW.
+plan::setup setup_of(int st, int N) {
+  plan::setup s;
+  s.stage = st;
+  s.ranks = static_cast<std::uint64_t>(N);
+  s.bytes =
+      plan::precision_of(shardkit::dtype::bf16, shardkit::dtype::bf16, plan::optimizer_kind::adamw);
+  return s;
+}
+
+//! The step's collectives' own time (collective), summed over the step's calls, two ways:
+//! from the moment the last rank entered a call to the moment the first rank left it, and to the
+//! moment the last rank left it (for an asynchronous call, its wait(); serialized, its issue).
+//! Both leave out the time early ranks wait for late ones. The first exit marks the end of the
+//! collective's work (a thread rank leaves only after every rank has done its part); the last
+//! exit also counts the time a rank that is done waits for a core, which on ranks sharing cores
+//! is the others' next work (N = 4 thread ranks on 2 cores: two ranks leave together, and the
+//! other two 2-5 ms later, once the first two have run their optimizer for a time slice). Every
+//! rank must have logged the same calls (the engine's schedule check sees to that); the ranks
+//! share one steady clock (threads of a process, or processes of one machine).
+struct own_times {
+  double to_first_exit = 0;
+  double to_last_exit = 0;
+};
+
 template <class Timed>
-double after_last_arrival(Timed& tc) {
+own_times after_last_arrival(Timed& tc) {
   const auto& log = tc.timing().log;
   std::uint64_t k[2] = {log.size(), ~static_cast<std::uint64_t>(log.size())};
   tc.inner().all_reduce(k, k, 2, shardkit::reduce_op::max);
   if (k[0] != log.size() || ~k[1] != log.size()) {
     throw std::runtime_error("time_model: the ranks logged different numbers of collectives");
   }
-  std::vector<double> t(2 * log.size());
+  std::vector<double> entered(log.size()), first(log.size()), last(log.size());
   for (std::size_t i = 0; i < log.size(); ++i) {
-    t[2 * i] = log[i].entered;
-    t[2 * i + 1] = log[i].left;
+    entered[i] = log[i].entered;
+    first[i] = last[i] = log[i].left;
   }
-  tc.inner().all_reduce(t.data(), t.data(), t.size(), shardkit::reduce_op::max);
-  double sum = 0;
-  for (std::size_t i = 0; i < log.size(); ++i) sum += std::max(0.0, t[2 * i + 1] - t[2 * i]);
-  return sum;
+  tc.inner().all_reduce(entered.data(), entered.data(), log.size(), shardkit::reduce_op::max);
+  tc.inner().all_reduce(first.data(), first.data(), log.size(), shardkit::reduce_op::min);
+  tc.inner().all_reduce(last.data(), last.data(), log.size(), shardkit::reduce_op::max);
+  own_times r;
+  for (std::size_t i = 0; i < log.size(); ++i) {
+    r.to_first_exit += std::max(0.0, first[i] - entered[i]);
+    r.to_last_exit += std::max(0.0, last[i] - entered[i]);
+  }
+  return r;
 }
 
 //! One rank of `comm` runs `reps` timed engine steps of stage S (collective).
@@ -155,7 +193,7 @@ stage_result measure_stage(Comm& comm, const config& c, bool serialize) {
   auto step = [&] { return bench::full_step_report(e, grads); };
   step();  // warm-up: first touch, ZeRO-3 learns its prefetch order
   stage_result r;
-  std::vector<double> in_comm, wall_opt, after_arrival;
+  std::vector<double> in_comm, wall_opt, after_arrival, to_last_exit;
   tc.timing().record = true;
   for (int rep = 0; rep < c.reps; ++rep) {
     tc.inner().barrier();  // untimed: not part of the step
@@ -172,12 +210,15 @@ stage_result measure_stage(Comm& comm, const config& c, bool serialize) {
     tc.inner().all_reduce(v, v, 2, shardkit::reduce_op::max);  // the slowest rank's
     in_comm.push_back(v[0]);
     wall_opt.push_back(v[1]);
-    after_arrival.push_back(after_last_arrival(tc));
+    const own_times own = after_last_arrival(tc);
+    after_arrival.push_back(own.to_first_exit);
+    to_last_exit.push_back(own.to_last_exit);
   }
   r.in_comm = median(in_comm);
   r.after_arrival = median(after_arrival);
   r.q1 = quantile(after_arrival, 0.25);
   r.q3 = quantile(after_arrival, 0.75);
+  r.to_last_exit = median(to_last_exit);
   r.wall_opt = median(wall_opt);
   return r;
 }
@@ -189,76 +230,125 @@ struct run_result {
   stage_result overlap[4];  // as the engine runs (asynchronous collectives overlap)
 };
 
+//! c.rounds rounds, each a calibration followed by the stages, so that the machine's drift
+//! reaches the calibration and the measurement alike.
 template <class Comm>
-run_result run_all(Comm& comm, const config& c) {
-  run_result r;
-  r.samples = plan::measure_collectives(comm, c.sweep);
-  for (const bool serialize : {true, false}) {
-    stage_result* out = serialize ? r.serial : r.overlap;
-    out[0] = measure_stage<0>(comm, c, serialize);
-    out[1] = measure_stage<1>(comm, c, serialize);
-    out[2] = measure_stage<2>(comm, c, serialize);
-    out[3] = measure_stage<3>(comm, c, serialize);
+std::vector<run_result> run_all(Comm& comm, const config& c) {
+  std::vector<run_result> rounds(static_cast<std::size_t>(c.rounds));
+  for (run_result& r : rounds) {
+    r.samples = plan::measure_collectives(comm, c.sweep);
+    for (const bool serialize : {true, false}) {
+      stage_result* out = serialize ? r.serial : r.overlap;
+      out[0] = measure_stage<0>(comm, c, serialize);
+      out[1] = measure_stage<1>(comm, c, serialize);
+      out[2] = measure_stage<2>(comm, c, serialize);
+      out[3] = measure_stage<3>(comm, c, serialize);
+    }
   }
-  return r;
+  return rounds;
 }
 
-//! Prints one communicator's table; returns 1 when the calibration could not be fitted.
-int report(const char* comm_name, int N, const config& c, const run_result& r) {
+//! The model's predictions for one round's calibration: per stage, with one link and with one
+//! link per collective and placement. Throws calibration_error when the samples cannot be fitted.
+struct prediction {
   plan::link_fit fit;
   plan::collective_fits per_op;
-  try {
-    fit = plan::fit_link(r.samples);
-    per_op = plan::fit_links_per_collective(r.samples);
-  } catch (const plan::calibration_error& e) {
-    std::printf("\n%s communicator, N = %d: calibration failed: %s\n", comm_name, N, e.what());
-    return 1;
-  }
+  double one[4] = {}, per[4] = {};
+};
+
+prediction predict(int N, const config& c, const run_result& r) {
+  prediction p;
+  p.fit = plan::fit_link(r.samples);
+  p.per_op = plan::fit_links_per_collective(r.samples);
   const std::vector<plan::unit> units = units_of(c.shape);
   plan::cluster cl;
   cl.gpus_per_node = static_cast<std::uint64_t>(N);
-  cl.intra = fit.fitted;
-  cl.inter = fit.fitted;
+  cl.intra = cl.inter = p.fit.fitted;
+  plan::cluster cl_op = cl;  // one fitted link per collective and placement
+  plan::set_per_collective_links(cl_op, p.per_op);
+  for (int st = 0; st < 4; ++st) {
+    p.one[st] = plan::comm_time_per_step(setup_of(st, N), units, cl);
+    p.per[st] = plan::comm_time_per_step(setup_of(st, N), units, cl_op);
+  }
+  return p;
+}
+
+//! Prints one communicator's results over the rounds; returns 1 when a calibration could not be
+//! fitted.
+int report(const char* comm_name, int N, const config& c, const std::vector<run_result>& rounds) {
+  std::vector<prediction> preds;
+  for (std::size_t k = 0; k < rounds.size(); ++k) {
+    try {
+      preds.push_back(predict(N, c, rounds[k]));
+    } catch (const plan::calibration_error& e) {
+      std::printf("\n%s communicator, N = %d, round %zu: calibration failed: %s\n", comm_name, N,
+                  k + 1, e.what());
+      return 1;
+    }
+  }
+  std::printf("\n%s communicator, N = %d, %zu rounds\n", comm_name, N, rounds.size());
+  // The links of the first round, to show what a calibration finds.
+  const prediction& first = preds.front();
   std::printf(
-      "\n%s communicator, N = %d: calibrated alpha %.3g us, bandwidth %.4g GB/s "
-      "(max relative error of the fit %.1f%%%s)\n",
-      comm_name, N, fit.fitted.latency_s * 1e6, fit.fitted.bytes_per_s / 1e9,
-      100.0 * fit.max_rel_error, fit.latency_fixed_at_zero ? ", alpha fixed at 0" : "");
-  plan::cluster cl_op = cl;  // one fitted link per collective
-  plan::set_per_collective_links(cl_op, per_op);
+      "  round 1: one link alpha %.3g us, bandwidth %.4g GB/s (max relative error %.1f%%)\n",
+      first.fit.fitted.latency_s * 1e6, first.fit.fitted.bytes_per_s / 1e9,
+      100.0 * first.fit.max_rel_error);
   for (const bool in_place : {false, true}) {
     for (const auto op : {shardkit::collective::all_reduce, shardkit::collective::reduce_scatter,
                           shardkit::collective::all_gather}) {
-      const auto& f = per_op.of(op, in_place);
+      const auto& f = first.per_op.of(op, in_place);
       if (!f) continue;
-      std::printf("  %s%s alone: alpha %.3g us, bandwidth %.4g GB/s (max relative error %.1f%%)\n",
-                  shardkit::name(op), in_place ? " in place" : "", f->fitted.latency_s * 1e6,
-                  f->fitted.bytes_per_s / 1e9, 100.0 * f->max_rel_error);
+      std::printf(
+          "    %s%s alone: alpha %.3g us, bandwidth %.4g GB/s (max relative error %.1f%%)\n",
+          shardkit::name(op), in_place ? " in place" : "", f->fitted.latency_s * 1e6,
+          f->fitted.bytes_per_s / 1e9, 100.0 * f->max_rel_error);
     }
   }
-  std::printf("  %-5s %10s %10s %10s %17s %9s %9s %10s %10s %9s %5s %5s %s\n", "stage", "one_us",
-              "pred_us", "own_us", "own_q1-q3_us", "pred/own", "one/own", "ovl_own", "ovl_comm",
-              "ovl_w-o", "calls", "model", "bytes_sent");
+  std::printf("  pred/own per round, stages 0-3:\n");
+  for (std::size_t k = 0; k < rounds.size(); ++k) {
+    std::printf("    round %zu:", k + 1);
+    for (int st = 0; st < 4; ++st) {
+      std::printf(" %6.3f", preds[k].per[st] / rounds[k].serial[st].after_arrival);
+    }
+    std::printf("\n");
+  }
+  std::printf("  medians over rounds (us):\n");
+  std::printf("  %-5s %9s %9s %9s %15s %9s %8s %13s %8s %9s %9s %9s %5s %5s %s\n", "stage", "one",
+              "pred", "own", "own_q1-q3", "own_last", "pred/own", "range", "one/own", "ovl_own",
+              "ovl_comm", "ovl_w-o", "calls", "model", "bytes_sent");
+  const std::vector<plan::unit> units = units_of(c.shape);
   for (int st = 0; st < 4; ++st) {
-    plan::setup s;
-    s.stage = st;
-    s.ranks = static_cast<std::uint64_t>(N);
-    s.bytes = plan::precision_of(shardkit::dtype::bf16, shardkit::dtype::bf16,
-                                 plan::optimizer_kind::adamw);
-    const double one = plan::comm_time_per_step(s, units, cl);
-    const double predicted = plan::comm_time_per_step(s, units, cl_op);
-    const plan::comm_bytes b = plan::bytes_sent_per_step(s, units, 0);
-    const stage_result& m = r.serial[st];
-    const stage_result& o = r.overlap[st];
-    char quart[48];
-    std::snprintf(quart, sizeof quart, "%.0f-%.0f", m.q1 * 1e6, m.q3 * 1e6);
-    std::printf("  %-5d %10.0f %10.0f %10.0f %17s %9.3f %9.3f %10.0f %10.0f %9.0f %5llu %5llu %s\n",
-                st, one * 1e6, predicted * 1e6, m.after_arrival * 1e6, quart,
-                predicted / m.after_arrival, one / m.after_arrival, o.after_arrival * 1e6,
-                o.in_comm * 1e6, o.wall_opt * 1e6, static_cast<unsigned long long>(m.calls),
-                static_cast<unsigned long long>(b.calls()),
-                m.bytes_sent == b.total() && o.bytes_sent == b.total() ? "= model"
-                                                                       : "DIFFERS from the model");
+    std::vector<double> one, per, own, q1, q3, last, ratio, ratio_one, o_own, o_comm, o_wo;
+    bool bytes_ok = true;
+    for (std::size_t k = 0; k < rounds.size(); ++k) {
+      const stage_result& m = rounds[k].serial[st];
+      const stage_result& o = rounds[k].overlap[st];
+      one.push_back(preds[k].one[st]);
+      per.push_back(preds[k].per[st]);
+      own.push_back(m.after_arrival);
+      q1.push_back(m.q1);
+      q3.push_back(m.q3);
+      last.push_back(m.to_last_exit);
+      ratio.push_back(preds[k].per[st] / m.after_arrival);
+      ratio_one.push_back(preds[k].one[st] / m.after_arrival);
+      o_own.push_back(o.after_arrival);
+      o_comm.push_back(o.in_comm);
+      o_wo.push_back(o.wall_opt);
+      const std::uint64_t want = plan::bytes_sent_per_step(setup_of(st, N), units, 0).total();
+      bytes_ok = bytes_ok && m.bytes_sent == want && o.bytes_sent == want;
+    }
+    const plan::comm_bytes b = plan::bytes_sent_per_step(setup_of(st, N), units, 0);
+    char quart[48], range[48];
+    std::snprintf(quart, sizeof quart, "%.0f-%.0f", median(q1) * 1e6, median(q3) * 1e6);
+    std::snprintf(range, sizeof range, "%.3f-%.3f", *std::min_element(ratio.begin(), ratio.end()),
+                  *std::max_element(ratio.begin(), ratio.end()));
+    std::printf(
+        "  %-5d %9.0f %9.0f %9.0f %15s %9.0f %8.3f %13s %8.3f %9.0f %9.0f %9.0f %5llu %5llu %s\n",
+        st, median(one) * 1e6, median(per) * 1e6, median(own) * 1e6, quart, median(last) * 1e6,
+        median(ratio), range, median(ratio_one), median(o_own) * 1e6, median(o_comm) * 1e6,
+        median(o_wo) * 1e6, static_cast<unsigned long long>(rounds[0].serial[st].calls),
+        static_cast<unsigned long long>(b.calls()),
+        bytes_ok ? "= model" : "DIFFERS from the model");
   }
   return 0;
 }
@@ -266,8 +356,8 @@ int report(const char* comm_name, int N, const config& c, const run_result& r) {
 [[noreturn]] void usage(const std::string& why) {
   throw std::invalid_argument(why +
                               "\nusage: shardkit_bench_time_model [--size=tiny|full] "
-                              "[--ranks 2,4] [--reps K] [--min-bytes B] [--max-bytes B] "
-                              "[--cold-bytes B] [--async 0|1]");
+                              "[--ranks 2,4] [--reps K] [--rounds R] [--min-bytes B] "
+                              "[--max-bytes B] [--cold-bytes B] [--async 0|1]");
 }
 
 config parse(int argc, char** argv) {
@@ -280,6 +370,7 @@ config parse(int argc, char** argv) {
       c.sweep.max_bytes = 1 << 20;  // smaller sizes alone are noise on a busy machine
       c.sweep.reps = 3;
       c.sweep.cold_bytes = 0;
+      c.rounds = 1;
       continue;
     }
     if (a == "--size=full") continue;
@@ -300,6 +391,12 @@ config parse(int argc, char** argv) {
     } else if (a == "--max-bytes") {
       c.sweep.max_bytes = static_cast<std::size_t>(std::strtoull(v.c_str(), nullptr, 10));
       if (c.sweep.max_bytes < 4 * c.sweep.min_bytes) usage("--max-bytes: expected at least 16384");
+    } else if (a == "--growth") {
+      c.sweep.growth = static_cast<std::size_t>(std::strtoull(v.c_str(), nullptr, 10));
+      if (c.sweep.growth < 2) usage("--growth: '" + v + "' must be at least 2");
+    } else if (a == "--rounds") {
+      c.rounds = std::atoi(v.c_str());
+      if (c.rounds < 1 || c.rounds > 100) usage("--rounds: '" + v + "' must be 1..100");
     } else if (a == "--min-bytes") {
       c.sweep.min_bytes = static_cast<std::size_t>(std::strtoull(v.c_str(), nullptr, 10));
       if (c.sweep.min_bytes < 4) usage("--min-bytes: expected at least 4");
@@ -325,9 +422,10 @@ void header(const config& c) {
       c.sweep.asynchronous ? "asynchronous" : "synchronous");
   std::printf(
       "one / pred = plan::comm_time_per_step with one calibrated link / one link per collective "
-      "and placement; own = each collective from the last rank's arrival to the last rank's "
-      "exit, summed, collectives serialized (the model's assumption); ovl_* = as the engine "
-      "runs: own, seconds inside collectives (timed_comm), wall - optimizer seconds\n");
+      "and placement; own = each collective from the last rank's arrival to the first rank's "
+      "exit, summed, collectives serialized (the model's assumption; own_last: to the last "
+      "rank's exit); ovl_* = as the engine runs: own, seconds inside collectives (timed_comm), "
+      "wall - optimizer seconds\n");
 }
 
 }  // namespace
@@ -338,7 +436,7 @@ int main(int argc, char** argv) {
     if (shardkit::launched_by_mpi()) {
       return shardkit::mpi_main(argc, argv, [&](shardkit::mpi_comm& comm) -> int {
         const config c = parse(argc, argv);
-        const run_result r = run_all(comm, c);
+        const std::vector<run_result> r = run_all(comm, c);
         int status = 0;
         if (comm.rank() == 0) {
           header(c);

@@ -490,6 +490,17 @@ TEST_CASE("calibrate: a sweep of fresh inputs, in place and out of place, asynch
   const plan::collective_fits f = plan::fit_links_per_collective(r[0]);
   CHECK(f.all_reduce_in_place);
   CHECK(f.all_gather);
+  // Sizes x2 apart: 4 KiB .. 1 MiB is 9 sizes, in order, for each placement and collective.
+  o.growth = 2;
+  o.in_place = false;
+  o.reps = 1;
+  const auto doubled = shardkit::run_ranks(
+      2, [&](shardkit::thread_comm& comm) { return plan::measure_collectives(comm, o); });
+  REQUIRE(doubled[0].size() == 3 * 9);
+  for (std::size_t i = 1; i < 9; ++i) CHECK(doubled[0][i].count == 2 * doubled[0][i - 1].count);
+  o.growth = 1;
+  CHECK_THROWS_WITH(plan::check(o, 0), Contains("growth 1; expected at least 2"));
+  o.growth = 4;
   // Neither placement: nothing to time.
   o.in_place = o.out_of_place = false;
   CHECK_THROWS_WITH(plan::check(o, 1), Contains("rank 1") && Contains("neither out_of_place"));

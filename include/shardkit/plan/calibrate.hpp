@@ -27,15 +27,16 @@
 //!
 //! **The sweep.** calibrate(comm, options) is collective: every rank of `comm` calls it with the
 //! same options. For all-gather, reduce-scatter and all-reduce at buffer sizes from
-//! options.min_bytes to options.max_bytes (×4 each, elements of options.element, fp32 or bf16; the
-//! size is the whole array: all-gather's output, reduce-scatter's input, all-reduce's buffer), it
-//! runs options.warmup untimed repetitions, then options.reps timed ones, each a barrier
-//! followed by `iters` back-to-back calls (more for small sizes, so a repetition moves at least
-//! options.bytes_per_rep); the time of a repetition is the slowest rank's (an all-reduce with
-//! max), and a sample's time is the median of the repetitions. Every rank returns the same
-//! samples and the same fit. With options.cold_bytes, the calls take turns on that many bytes of
-//! buffers, so that each finds its data out of cache; calibrated on one reused buffer, the model
-//! predicted the engine benchmark's step 1.5–2.3× too fast on this project's machine at the time.
+//! options.min_bytes to options.max_bytes (×options.growth each, default 4; elements of
+//! options.element, fp32 or bf16; the size is the whole array: all-gather's output,
+//! reduce-scatter's input, all-reduce's buffer), it runs options.warmup untimed repetitions, then
+//! options.reps timed ones, each a barrier followed by `iters` back-to-back calls (more for small
+//! sizes, so a repetition moves at least options.bytes_per_rep); the time of a repetition is the
+//! slowest rank's (an all-reduce with max), and a sample's time is the median of the repetitions.
+//! Every rank returns the same samples and the same fit. With options.cold_bytes, the calls take
+//! turns on that many bytes of buffers, so that each finds its data out of cache; calibrated on one
+//! reused buffer, the model predicted the engine benchmark's step 1.5–2.3× too fast on this
+//! project's machine at the time.
 //!
 //! A training step finds its data elsewhere, though: it writes the gradients just before it
 //! reduces them and the parameters just before it gathers them, issues most collectives
@@ -271,8 +272,11 @@ inline void set_per_collective_links(cluster& c, const collective_fits& f) {
 struct sweep_options {
   std::size_t min_bytes = 4096;                   //!< smallest buffer, bytes (whole array)
   std::size_t max_bytes = std::size_t{16} << 20;  //!< largest buffer, bytes
-  int reps = 5;                                   //!< repetitions per size (median taken), ≥ 1
-  int warmup = 1;                                 //!< untimed calls per size before the repetitions
+  //! Each size this many times the one before (at least 2): 4 spans decades quickly, 2 samples
+  //! the sizes in between too, where a host transport's cost per byte changes with the caches.
+  std::size_t growth = 4;
+  int reps = 5;    //!< repetitions per size (median taken), ≥ 1
+  int warmup = 1;  //!< untimed calls per size before the repetitions
   std::size_t bytes_per_rep = std::size_t{1} << 20;  //!< small sizes repeat until this many bytes
   int max_iters = 64;                                //!< most calls in one repetition
   //! In and out buffers of this many bytes per rank together, which consecutive calls walk
@@ -324,6 +328,11 @@ inline void check(const sweep_options& o, int rank) {
         "calibrate (rank ", rank, "): max_bytes ", o.max_bytes, " is less than 4 x min_bytes ",
         o.min_bytes, "; expected at least two sizes (x4 apart)");
   }
+  if (o.growth < 2) {
+    shardkit::detail::raise<calibration_error>("calibrate (rank ", rank, "): growth ", o.growth,
+                                               "; expected at least 2 (each size a multiple of "
+                                               "the one before)");
+  }
   if (!o.out_of_place && !o.in_place) {
     shardkit::detail::raise<calibration_error>(
         "calibrate (rank ", rank,
@@ -368,7 +377,7 @@ std::vector<calibration_sample> sweep(Comm& comm, const sweep_options& o) {
   const auto me = static_cast<std::size_t>(comm.rank());
   // Element counts: whole arrays that P divides, so every rank's slice is the same.
   std::vector<std::size_t> sizes;
-  for (std::size_t b = o.min_bytes; b <= o.max_bytes; b *= 4) {
+  for (std::size_t b = o.min_bytes; b <= o.max_bytes; b *= o.growth) {
     const std::size_t n = std::max<std::size_t>(p, (b / sizeof(T)) / p * p);
     if (sizes.empty() || n != sizes.back()) sizes.push_back(n);
   }
