@@ -5,7 +5,11 @@
 //! (comm/thread/group.hpp) at which each rank reads the others' posted buffers directly and
 //! reduces its own part in rank order, then a second rendezvous before anyone returns (so no
 //! buffer is reused while another rank still reads or writes it). Asynchronous collectives run
-//! on the rank's progress thread, in issue order.
+//! on the rank's progress thread, in issue order. When the group's ranks fit on the machine's
+//! cores (detail::ranks_fit_cores), the progress thread spins a few microseconds for the next
+//! collective before it sleeps, and a rank waiting for one spins briefly before it sleeps: a
+//! sleeping thread's wake-up cost an asynchronous 4 KiB all-gather 40-140 us on this project's
+//! 2-core virtual machine in some runs (5-8 us in others); with the spin, 6-11 us in every run.
 //!
 //! The all-reduce is one pass: rank r reduces its chunk r of every rank's input and writes the
 //! result straight into chunk r of every rank's output (on the host block by block, while the
@@ -26,6 +30,7 @@
 #include <shardkit/kernels/host/reduce.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -73,6 +78,8 @@ struct thread_op {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
+  std::atomic<bool> done_flag{false};  // `done`, for a waiter's spin before it sleeps
+  bool spin = false;                   // waiters spin first (detail::ranks_fit_cores)
   std::exception_ptr error;
   std::chrono::steady_clock::time_point completed_at{};
 
@@ -81,6 +88,7 @@ struct thread_op {
     error = std::move(e);
     completed_at = std::chrono::steady_clock::now();
     done = true;
+    done_flag.store(true, std::memory_order_release);
     cv.notify_all();
   }
 };
@@ -93,6 +101,12 @@ struct thread_handle {
   std::shared_ptr<thread_op> op;
 
   void wait() {
+    // A collective waited for right after its issue is often microseconds from done: spin a
+    // little, yielding soon (the rank's progress thread may need this core).
+    if (op->spin) {
+      spin_until([&] { return op->done_flag.load(std::memory_order_acquire); },
+                 {.pauses = 16, .yields = 64});
+    }
     std::unique_lock lk(op->mu);
     op->cv.wait(lk, [&] { return op->done; });
     if (op->error) std::rethrow_exception(op->error);
@@ -179,6 +193,7 @@ class thread_communicator : public detail::comm_frontend<thread_communicator<Spa
     std::mutex mu;
     std::condition_variable cv;
     std::deque<std::shared_ptr<detail::thread_op>> queue;
+    std::atomic<std::size_t> queued{0};  // queue.size(), for the worker's spin
     bool running = false;
     bool stop = false;
     std::thread worker;
@@ -211,9 +226,11 @@ class thread_communicator : public detail::comm_frontend<thread_communicator<Spa
     auto op = std::make_shared<detail::thread_op>();
     op->slot = s;
     impl& m = *impl_;
+    op->spin = detail::ranks_fit_cores(m.state->size());
     {
       std::lock_guard lk(m.mu);
       m.queue.push_back(op);
+      m.queued.store(m.queue.size(), std::memory_order_release);
       if (!m.worker.joinable()) m.worker = std::thread([&m] { worker_loop(m); });
     }
     m.cv.notify_all();
@@ -246,10 +263,18 @@ class thread_communicator : public detail::comm_frontend<thread_communicator<Spa
   static void worker_loop(impl& m) {
     std::unique_lock lk(m.mu);
     for (;;) {
+      if (m.queue.empty() && !m.stop && detail::ranks_fit_cores(m.state->size())) {
+        // Spin a little before sleeping: a step issues its collectives back to back, and a
+        // sleeping worker would cost each of them a wake-up.
+        lk.unlock();
+        detail::spin_until([&] { return m.queued.load(std::memory_order_acquire) != 0; });
+        lk.lock();
+      }
       m.cv.wait(lk, [&] { return m.stop || !m.queue.empty(); });
       if (m.queue.empty()) return;  // stop requested and nothing left
       auto op = std::move(m.queue.front());
       m.queue.pop_front();
+      m.queued.store(m.queue.size(), std::memory_order_release);
       m.running = true;
       lk.unlock();
       std::exception_ptr err;
