@@ -4,7 +4,7 @@
 //
 //   shardkit_bench_time_model [--size=tiny|full] [--ranks 2,4] [--reps K] [--rounds R]
 //                             [--min-bytes B] [--max-bytes B] [--growth G] [--cold-bytes B]
-//                             [--async 0|1]
+//                             [--async 0|1] [--samples 0|1]
 //   mpiexec -np 4 shardkit_bench_time_model [--size=...] [--reps K]   (the MPI communicator)
 //
 // The model is benchmarks/engine.cpp's: L units, each a d x d weight and a d bias, bf16 working
@@ -50,6 +50,13 @@
 //  (and its range over rounds) and one/own, the collectives issued against the model's count,
 //  and whether bytes_sent equals
 //  plan::bytes_sent_per_step (a check that the model's list of collectives is the engine's).
+//  Then per stage and kind of call (collective, placement, count): the calls per step, measured
+//  and in the model's list (the engine's control collectives are not in it), the own time of
+//  one call, the calibration's time at that size (interpolated between the samples around it,
+//  log-log; nan beyond the largest sample) and the fitted link's: which calls the model misses,
+//  and whether the miss is the fit's (pred differs from sample) or the calibration's (sample
+//  differs from own: the step finds its data in another state than the sweep does).
+//  --samples 1: every calibration sample's median over rounds and its range.
 //
 // Timings need an idle machine; this program checks nothing but that it runs (a smoke ctest
 // runs --size=tiny).
@@ -68,6 +75,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -89,6 +97,7 @@ struct config {
   std::vector<int> ranks{2, 4};
   int reps = 7;
   int rounds = 5;  // calibrate-then-measure rounds; ratios are reported per round and as medians
+  bool samples = false;  // --samples 1: print every calibration sample's median and range
   // the gradients' type; cache-cold buffers, as a step's collectives find theirs
   // The step's gradients and parameters are written just before they are reduced or gathered
   // and, at this model's size, still in cache; the step issues them asynchronously, some in
@@ -113,6 +122,17 @@ struct stage_result {
   double to_last_exit = 0;   // median over steps of the own time to the last exit
   std::uint64_t calls = 0;   // data and control collectives issued by rank 0 in one step
   std::uint64_t bytes_sent = 0;  // step_report::bytes_sent of rank 0
+  //! The calls of one kind, size and placement: calls per step, and per step the mean own time
+  //! of one of them (to the first exit).
+  struct call_class {
+    shardkit::collective op = shardkit::collective::barrier;
+    std::size_t count = 0, elem_bytes = 0;
+    bool in_place = false;
+    std::uint64_t calls = 0;
+    std::vector<double> per_call;  // per step
+    double median_per_call = 0;
+  };
+  std::vector<call_class> classes;
 };
 
 //! The q-quantile of v (0 ≤ q ≤ 1), linear between order statistics.
@@ -153,6 +173,7 @@ plan::setup setup_of(int st, int N) {
 struct own_times {
   double to_first_exit = 0;
   double to_last_exit = 0;
+  std::vector<double> per_call;  // each call's own time to the first exit, in issue order
 };
 
 template <class Timed>
@@ -173,7 +194,8 @@ own_times after_last_arrival(Timed& tc) {
   tc.inner().all_reduce(last.data(), last.data(), log.size(), shardkit::reduce_op::max);
   own_times r;
   for (std::size_t i = 0; i < log.size(); ++i) {
-    r.to_first_exit += std::max(0.0, first[i] - entered[i]);
+    r.per_call.push_back(std::max(0.0, first[i] - entered[i]));
+    r.to_first_exit += r.per_call.back();
     r.to_last_exit += std::max(0.0, last[i] - entered[i]);
   }
   return r;
@@ -213,7 +235,36 @@ stage_result measure_stage(Comm& comm, const config& c, bool serialize) {
     const own_times own = after_last_arrival(tc);
     after_arrival.push_back(own.to_first_exit);
     to_last_exit.push_back(own.to_last_exit);
+    // Per kind, size and placement: the mean own time of one call in this step.
+    const auto& log = tc.timing().log;
+    std::vector<double> sum(r.classes.size(), 0.0);
+    std::vector<std::uint64_t> n(r.classes.size(), 0);
+    for (std::size_t i = 0; i < log.size(); ++i) {
+      const auto& x = log[i];
+      auto it = std::find_if(r.classes.begin(), r.classes.end(), [&](const auto& k) {
+        return k.op == x.kind && k.count == x.count && k.elem_bytes == x.elem_bytes &&
+               k.in_place == x.in_place;
+      });
+      if (it == r.classes.end()) {
+        stage_result::call_class k;
+        k.op = x.kind;
+        k.count = x.count;
+        k.elem_bytes = x.elem_bytes;
+        k.in_place = x.in_place;
+        it = r.classes.insert(r.classes.end(), std::move(k));
+        sum.push_back(0.0);
+        n.push_back(0);
+      }
+      const auto j = static_cast<std::size_t>(it - r.classes.begin());
+      sum[j] += own.per_call[i];
+      ++n[j];
+    }
+    for (std::size_t j = 0; j < r.classes.size(); ++j) {
+      r.classes[j].calls = n[j];
+      if (n[j] != 0) r.classes[j].per_call.push_back(sum[j] / static_cast<double>(n[j]));
+    }
   }
+  for (auto& k : r.classes) k.median_per_call = median(k.per_call);
   r.in_comm = median(in_comm);
   r.after_arrival = median(after_arrival);
   r.q1 = quantile(after_arrival, 0.25);
@@ -253,6 +304,7 @@ std::vector<run_result> run_all(Comm& comm, const config& c) {
 struct prediction {
   plan::link_fit fit;
   plan::collective_fits per_op;
+  plan::cluster per_op_cluster;  // the cluster with one link per collective and placement
   double one[4] = {}, per[4] = {};
 };
 
@@ -266,11 +318,93 @@ prediction predict(int N, const config& c, const run_result& r) {
   cl.intra = cl.inter = p.fit.fitted;
   plan::cluster cl_op = cl;  // one fitted link per collective and placement
   plan::set_per_collective_links(cl_op, p.per_op);
+  p.per_op_cluster = cl_op;
   for (int st = 0; st < 4; ++st) {
     p.one[st] = plan::comm_time_per_step(setup_of(st, N), units, cl);
     p.per[st] = plan::comm_time_per_step(setup_of(st, N), units, cl_op);
   }
   return p;
+}
+
+//! The calibration's own time for a call of `count` elements (as calibration_sample counts them)
+//! of collective `op` and placement `in_place`: log-log interpolation between the two samples
+//! around it; NaN outside the sampled sizes.
+double sample_at(const std::vector<plan::calibration_sample>& samples, shardkit::collective op,
+                 bool in_place, std::uint64_t count, std::uint64_t elem_bytes) {
+  const plan::calibration_sample* lo = nullptr;
+  const plan::calibration_sample* hi = nullptr;
+  for (const auto& x : samples) {
+    if (x.op != op || x.in_place != in_place || x.elem_bytes != elem_bytes) continue;
+    if (x.count <= count && (!lo || x.count > lo->count)) lo = &x;
+    if (x.count >= count && (!hi || x.count < hi->count)) hi = &x;
+  }
+  if (!lo || !hi) return std::nan("");
+  if (lo->count == hi->count) return lo->seconds;
+  const double f = std::log(static_cast<double>(count) / static_cast<double>(lo->count)) /
+                   std::log(static_cast<double>(hi->count) / static_cast<double>(lo->count));
+  return std::exp(std::log(lo->seconds) + f * (std::log(hi->seconds) - std::log(lo->seconds)));
+}
+
+//! Per stage, each kind of call: how often the step issued it against the model's list, its own
+//! time per call measured, the calibration's time at its size (interpolated) and the fitted
+//! link's; medians over rounds.
+void report_calls(int N, const config& c, const std::vector<run_result>& rounds,
+                  const std::vector<prediction>& preds) {
+  const std::vector<plan::unit> units = units_of(c.shape);
+  std::printf("  per call, medians over rounds (us); sample = the calibration at this size:\n");
+  std::printf("  %-5s %-15s %-9s %10s %5s %5s %9s %9s %9s %10s %9s\n", "stage", "collective",
+              "placement", "count", "calls", "model", "own", "sample", "pred", "sample/own",
+              "pred/own");
+  for (int st = 0; st < 4; ++st) {
+    for (const auto& k : rounds[0].serial[st].classes) {
+      std::uint64_t model_calls = 0;
+      plan::for_each_collective(setup_of(st, N), units, [&](const auto& x) {
+        if (x.op == k.op && x.count == k.count && x.elem_bytes == k.elem_bytes &&
+            x.in_place == k.in_place) {
+          model_calls += x.repeat;
+        }
+      });
+      std::vector<double> own, smp, pred;
+      for (std::size_t r = 0; r < rounds.size(); ++r) {
+        for (const auto& q : rounds[r].serial[st].classes) {
+          if (q.op == k.op && q.count == k.count && q.elem_bytes == k.elem_bytes &&
+              q.in_place == k.in_place) {
+            own.push_back(q.median_per_call);
+          }
+        }
+        smp.push_back(sample_at(rounds[r].samples, k.op, k.in_place, k.count, k.elem_bytes));
+        plan::placement where{static_cast<std::uint64_t>(N), static_cast<std::uint64_t>(N)};
+        pred.push_back(plan::collective_time(k.op, k.count, k.elem_bytes, where,
+                                             preds[r].per_op_cluster, plan::algorithm::ring,
+                                             k.in_place));
+      }
+      const double o = median(own), sm = median(smp), pr = median(pred);
+      std::printf("  %-5d %-15s %-9s %10zu %5llu %5llu %9.1f %9.1f %9.1f %10.3f %9.3f\n", st,
+                  shardkit::name(k.op), k.in_place ? "in place" : "out", k.count,
+                  static_cast<unsigned long long>(k.calls),
+                  static_cast<unsigned long long>(model_calls), o * 1e6, sm * 1e6, pr * 1e6, sm / o,
+                  pr / o);
+    }
+  }
+}
+
+//! Every calibration sample (collective, placement, size): its median over rounds and the
+//! range, which shows how far one round's calibration can be from another's.
+void report_samples(const std::vector<run_result>& rounds) {
+  std::printf("  calibration samples over rounds (us):\n");
+  std::printf("  %-15s %-9s %10s %9s %9s %9s\n", "collective", "placement", "count", "median",
+              "min", "max");
+  for (std::size_t i = 0; i < rounds[0].samples.size(); ++i) {
+    const auto& x = rounds[0].samples[i];
+    std::vector<double> t;
+    for (const auto& r : rounds) {
+      if (i < r.samples.size()) t.push_back(r.samples[i].seconds);
+    }
+    std::printf("  %-15s %-9s %10llu %9.1f %9.1f %9.1f\n", shardkit::name(x.op),
+                x.in_place ? "in place" : "out", static_cast<unsigned long long>(x.count),
+                median(t) * 1e6, *std::min_element(t.begin(), t.end()) * 1e6,
+                *std::max_element(t.begin(), t.end()) * 1e6);
+  }
 }
 
 //! Prints one communicator's results over the rounds; returns 1 when a calibration could not be
@@ -350,14 +484,17 @@ int report(const char* comm_name, int N, const config& c, const std::vector<run_
         static_cast<unsigned long long>(b.calls()),
         bytes_ok ? "= model" : "DIFFERS from the model");
   }
+  report_calls(N, c, rounds, preds);
+  if (c.samples) report_samples(rounds);
   return 0;
 }
 
 [[noreturn]] void usage(const std::string& why) {
-  throw std::invalid_argument(why +
-                              "\nusage: shardkit_bench_time_model [--size=tiny|full] "
-                              "[--ranks 2,4] [--reps K] [--rounds R] [--min-bytes B] "
-                              "[--max-bytes B] [--cold-bytes B] [--async 0|1]");
+  throw std::invalid_argument(
+      why +
+      "\nusage: shardkit_bench_time_model [--size=tiny|full] "
+      "[--ranks 2,4] [--reps K] [--rounds R] [--min-bytes B] "
+      "[--max-bytes B] [--growth G] [--cold-bytes B] [--async 0|1] [--samples 0|1]");
 }
 
 config parse(int argc, char** argv) {
@@ -403,6 +540,9 @@ config parse(int argc, char** argv) {
     } else if (a == "--async") {
       if (v != "0" && v != "1") usage("--async: '" + v + "': expected 0 or 1");
       c.sweep.asynchronous = v == "1";
+    } else if (a == "--samples") {
+      if (v != "0" && v != "1") usage("--samples: '" + v + "': expected 0 or 1");
+      c.samples = v == "1";
     } else if (a == "--cold-bytes") {
       c.sweep.cold_bytes = static_cast<std::size_t>(std::strtoull(v.c_str(), nullptr, 10));
     } else {
