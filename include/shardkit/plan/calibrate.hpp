@@ -283,7 +283,9 @@ struct sweep_options {
   //! through (each starts where the previous one ended), so that every call finds its data out
   //! of cache as a training step's collectives do (the step streamed the optimizer's state in
   //! between); choose several times the last-level cache. 0: buffers of the largest size,
-  //! reused by every call (sizes that fit in cache are then timed in cache).
+  //! through which the calls walk in the same way (a call of the largest size reuses the same
+  //! bytes every time; smaller ones take turns on its parts, so sizes whose buffers fit in the
+  //! cache together are timed in cache).
   std::size_t cold_bytes = 0;
   //! Each call's input written by its rank just before the call (untimed), as a training step
   //! writes the gradients it reduces and the parameters it gathers just before; each call is
@@ -384,7 +386,7 @@ std::vector<calibration_sample> sweep(Comm& comm, const sweep_options& o) {
   const std::size_t largest = sizes.back();
   // In and out buffers of `arena` elements (cold_bytes: see sweep_options), which consecutive
   // calls walk through, each starting where the last one ended; the largest size alone without
-  // cold_bytes (every call then reuses the same bytes).
+  // cold_bytes (a call of that size then reuses the same bytes every time).
   const std::size_t arena = std::max(largest, o.cold_bytes / (2 * sizeof(T)) / p * p);
   std::vector<T> in(arena, T(1.0f)), out(arena, T(0.0f));
   std::size_t cursor = 0;
