@@ -120,10 +120,12 @@ inline int print_calibration(const std::vector<plan::calibration_sample>& sample
                              std::uint64_t ranks, const plan::sweep_options& o) {
   std::printf(
       "shardkit-plan --calibrate: %s communicator, %llu ranks, %s, %zu B - %zu B buffers, "
-      "median of %d%s%s\n",
+      "median of %d%s%s%s%s\n",
       comm, static_cast<unsigned long long>(ranks), shardkit::name(o.element), o.min_bytes,
       o.max_bytes, o.reps, o.fresh_input ? ", inputs written before each call" : "",
-      o.asynchronous ? ", asynchronous" : "");
+      o.asynchronous ? ", asynchronous" : "",
+      o.optimizer_bytes != 0 ? ", optimizer's bytes streamed before in-place all-gathers" : "",
+      o.gather_outputs != 0 ? ", out-of-place all-gathers on their own outputs" : "");
   std::optional<plan::link_fit> fit;
   std::string why;
   try {

@@ -317,7 +317,8 @@ inline void add_plan_options(CLI::App& app, options& o, cluster_flags& net) {
 constexpr const char* calibrate_usage =
     "usage: shardkit-plan --calibrate [--comm thread|mpi] [--ranks N] [--max-bytes B] [--reps K]\n"
     "                          [--dtype bf16|fp32] [--cold-bytes B] [--fresh-input]\n"
-    "                          [--in-place] [--async]\n";
+    "                          [--in-place] [--async] [--growth G] [--optimizer-bytes B]\n"
+    "                          [--gather-outputs K]\n";
 
 //! The flags of --calibrate, filling `o`.
 inline void add_calibrate_options(CLI::App& app, calibrate_options& o) {
@@ -345,8 +346,8 @@ inline void add_calibrate_options(CLI::App& app, calibrate_options& o) {
                if (o.ranks < 2 || o.ranks > 256)
                  cli::fail(f, v, "must be 2..256 ranks to calibrate on");
              });
-  add_valued(app, "--max-bytes", "B", "largest buffer timed (default 16MiB; from 4KiB, x4 apart)",
-             [&o](sv f, sv v) {
+  add_valued(app, "--max-bytes", "B",
+             "largest buffer timed (default 16MiB; from 4KiB, x --growth apart)", [&o](sv f, sv v) {
                const std::uint64_t b = parse_plain_or_unit_bytes(f, v);
                if (b < 4 * o.sweep.min_bytes || b > (std::uint64_t{1} << 30)) {
                  cli::fail(f, v,
@@ -367,15 +368,17 @@ inline void add_calibrate_options(CLI::App& app, calibrate_options& o) {
                  cli::fail(f, v, "is not timed; expected bf16 or fp32");
                }
              });
+  // 0, or bytes (plain or with a unit) up to 16 GiB.
+  const auto zero_or_bytes = [](sv f, sv v) {
+    const std::uint64_t b = v == "0" ? 0 : parse_plain_or_unit_bytes(f, v);
+    if (b > (std::uint64_t{16} << 30)) cli::fail(f, v, "must be 0..16GiB");
+    return static_cast<std::size_t>(b);
+  };
   add_valued(app, "--cold-bytes", "B",
              "buffers per rank the calls take turns on, so that each finds\n"
              "its data out of cache as a training step's do (default\n"
              "256MiB; 0: one buffer reused, small sizes then time in cache)",
-             [&o](sv f, sv v) {
-               const std::uint64_t b = v == "0" ? 0 : parse_plain_or_unit_bytes(f, v);
-               if (b > (std::uint64_t{16} << 30)) cli::fail(f, v, "must be 0..16GiB");
-               o.sweep.cold_bytes = static_cast<std::size_t>(b);
-             });
+             [&o, zero_or_bytes](sv f, sv v) { o.sweep.cold_bytes = zero_or_bytes(f, v); });
   app.add_flag("--fresh-input", o.sweep.fresh_input,
                "each rank writes a call's input just before it (untimed), as\n"
                "a step writes the gradients it reduces; calls timed one by one");
@@ -385,6 +388,29 @@ inline void add_calibrate_options(CLI::App& app, calibrate_options& o) {
   app.add_flag("--async", o.sweep.asynchronous,
                "issue the asynchronous collectives and wait, as the engine\n"
                "issues its reduce-scatters and all-gathers");
+  add_valued(app, "--growth", "G",
+             "each size G times the one before (default 4; 2 also times\n"
+             "the sizes in between)",
+             [&o](sv f, sv v) {
+               const std::uint64_t g = cli::parse_count(f, v);
+               if (g < 2 || g > 1024) cli::fail(f, v, "must be 2..1024");
+               o.sweep.growth = static_cast<std::size_t>(g);
+             });
+  add_valued(app, "--optimizer-bytes", "B",
+             "bytes each rank streams before every in-place all-gather,\n"
+             "as the step's optimizer does before it gathers (e.g. 28 x\n"
+             "the shard's elements for AdamW); needs --fresh-input and\n"
+             "--in-place",
+             [&o, zero_or_bytes](sv f, sv v) { o.sweep.optimizer_bytes = zero_or_bytes(f, v); });
+  add_valued(app, "--gather-outputs", "K",
+             "out-of-place all-gathers take turns on K outputs of their\n"
+             "own, as ZeRO-3 gathers into the buffers earlier units\n"
+             "released (K = prefetch + 1; default 0: they walk the buffers)",
+             [&o](sv f, sv v) {
+               const std::uint64_t k = cli::parse_count(f, v);
+               if (k > 16) cli::fail(f, v, "must be 0..16");
+               o.sweep.gather_outputs = static_cast<std::size_t>(k);
+             });
   app.option_defaults()->group("");  // the planner's help lists --help
   add_help_flag(app);
 }
@@ -407,9 +433,18 @@ inline bool parse_plan_options(int argc, const char* const* argv, options& o) {
 inline bool parse_calibrate_options(int argc, const char* const* argv, calibrate_options& o) {
   CLI::App app{"", "shardkit-plan"};
   detail::add_calibrate_options(app, o);
-  return detail::run(app, argc, argv, "--calibrate: ",
-                     "; expected --comm, --ranks, --max-bytes, --reps, --dtype, --cold-bytes, "
-                     "--fresh-input, --in-place or --async");
+  if (!detail::run(app, argc, argv, "--calibrate: ",
+                   "; expected --comm, --ranks, --max-bytes, --reps, --dtype, --cold-bytes, "
+                   "--fresh-input, --in-place, --async, --growth, --optimizer-bytes or "
+                   "--gather-outputs")) {
+    return false;
+  }
+  if (o.sweep.optimizer_bytes != 0 && !(o.sweep.fresh_input && o.sweep.in_place)) {
+    throw cli::bad_argument(
+        "--calibrate: --optimizer-bytes needs --fresh-input and --in-place (it is streamed "
+        "before each in-place all-gather, which is then timed alone)");
+  }
+  return true;
 }
 
 //! --help: the planner's flags, then --calibrate's.

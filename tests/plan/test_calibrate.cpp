@@ -173,6 +173,17 @@ TEST_CASE("calibrate: sweep options are checked") {
   o = {};
   o.reps = 0;
   CHECK_THROWS_WITH(plan::check(o, 0), Contains("expected reps >= 1"));
+  // The optimizer's bytes age the in-place all-gathers, each timed alone: both are needed.
+  o = {};
+  o.optimizer_bytes = 1 << 20;
+  CHECK_THROWS_WITH(plan::check(o, 2), Contains("rank 2") && Contains("optimizer_bytes 1048576") &&
+                                           Contains("without fresh_input and in_place"));
+  o.fresh_input = true;
+  CHECK_THROWS_WITH(plan::check(o, 0), Contains("without fresh_input and in_place"));
+  o.in_place = true;
+  CHECK_NOTHROW(plan::check(o, 0));
+  o.fresh_input = false;
+  CHECK_THROWS_WITH(plan::check(o, 0), Contains("without fresh_input and in_place"));
 }
 
 TEST_CASE("calibrate: the sweep over 2 thread ranks gives a positive, finite link") {
@@ -498,6 +509,29 @@ TEST_CASE("calibrate: a sweep of fresh inputs, in place and out of place, asynch
       2, [&](shardkit::thread_comm& comm) { return plan::measure_collectives(comm, o); });
   REQUIRE(doubled[0].size() == 3 * 9);
   for (std::size_t i = 1; i < 9; ++i) CHECK(doubled[0][i].count == 2 * doubled[0][i - 1].count);
+  // As the engine's step finds its data: the optimizer's bytes streamed before each in-place
+  // all-gather, ZeRO-3's gathers on two outputs of their own. The same samples, in the same
+  // order.
+  o.growth = 4;
+  o.in_place = true;
+  o.optimizer_bytes = std::size_t{8} << 20;
+  o.gather_outputs = 2;
+  const auto aged = shardkit::run_ranks(
+      2, [&](shardkit::thread_comm& comm) { return plan::measure_collectives(comm, o); });
+  REQUIRE(aged[0].size() == r[0].size());
+  for (std::size_t i = 0; i < aged[0].size(); ++i) {
+    INFO("sample " << i);
+    CHECK(aged[0][i].op == r[0][i].op);
+    CHECK(aged[0][i].count == r[0][i].count);
+    CHECK(aged[0][i].in_place == r[0][i].in_place);
+    CHECK(aged[0][i].seconds > 0);
+    CHECK(aged[1][i].seconds == aged[0][i].seconds);
+  }
+  CHECK(plan::fit_links_per_collective(aged[0]).all_gather_in_place);
+  o.optimizer_bytes = 0;
+  o.gather_outputs = 17;
+  CHECK_THROWS_WITH(plan::check(o, 0), Contains("gather_outputs 17; expected 0"));
+  o.gather_outputs = 0;
   o.growth = 1;
   CHECK_THROWS_WITH(plan::check(o, 0), Contains("growth 1; expected at least 2"));
   o.growth = 4;

@@ -221,6 +221,9 @@ TEST_CASE("shardkit-plan options: --help wins, and lists every flag") {
                            "--fresh-input",
                            "--in-place",
                            "--async",
+                           "--growth G",
+                           "--optimizer-bytes B",
+                           "--gather-outputs K",
                            "--intra-all-reduce-in-place-bw BW",
                            "--intra-all-gather-in-place-alpha T"}) {
     CHECK_THAT(help, Contains(std::string("    ") + flag));
@@ -249,6 +252,27 @@ TEST_CASE("shardkit-plan options: --calibrate's flags") {
   CHECK(c.sweep.in_place);
   CHECK(c.sweep.out_of_place);
   CHECK(c.sweep.asynchronous);
+  CHECK(c.sweep.optimizer_bytes == 0);
+  CHECK(c.sweep.gather_outputs == 0);
+  CHECK(c.sweep.growth == 4);
+  const command_line as_engine({"--calibrate", "--fresh-input", "--in-place", "--async", "--growth",
+                                "2", "--optimizer-bytes", "117MB", "--gather-outputs", "2"});
+  REQUIRE(shardkit_plan::parse_calibrate_options(as_engine.argc(), as_engine.argv.data(), c));
+  CHECK(c.sweep.optimizer_bytes == 117'000'000);
+  CHECK(c.sweep.gather_outputs == 2);
+  CHECK(c.sweep.growth == 2);
+  // Streamed before in-place all-gathers timed alone: without --fresh-input and --in-place
+  // there are none.
+  shardkit_plan::calibrate_options e;
+  const command_line alone({"--calibrate", "--optimizer-bytes", "1MiB", "--in-place"});
+  CHECK_THROWS_WITH(shardkit_plan::parse_calibrate_options(alone.argc(), alone.argv.data(), e),
+                    Contains("--optimizer-bytes needs --fresh-input and --in-place"));
+  const command_line slow({"--calibrate", "--growth", "1"});
+  CHECK_THROWS_WITH(shardkit_plan::parse_calibrate_options(slow.argc(), slow.argv.data(), e),
+                    Contains("--growth: '1' must be 2..1024"));
+  const command_line many({"--calibrate", "--gather-outputs", "17"});
+  CHECK_THROWS_WITH(shardkit_plan::parse_calibrate_options(many.argc(), many.argv.data(), e),
+                    Contains("--gather-outputs: '17' must be 0..16"));
 
   const shardkit_plan::calibrate_options d;
   CHECK(d.sweep.element == shardkit::dtype::bf16);
