@@ -4,7 +4,7 @@
 //
 //   shardkit_bench_time_model [--size=tiny|full] [--ranks 2,4] [--reps K] [--rounds R]
 //                             [--min-bytes B] [--max-bytes B] [--growth G] [--cold-bytes B]
-//                             [--async 0|1] [--samples 0|1]
+//                             [--async 0|1] [--age 0|1] [--gather-outputs K] [--samples 0|1]
 //   mpiexec -np 4 shardkit_bench_time_model [--size=...] [--reps K]   (the MPI communicator)
 //
 // The model is benchmarks/engine.cpp's: L units, each a d x d weight and a d bias, bf16 working
@@ -16,14 +16,14 @@
 //  --rounds R (default 5) times: 1.-3. below, so that the machine's drift reaches calibration and
 //  measurement alike; printed: the links of the first round, pred/own of every round, and per
 //  stage the medians over rounds.
-//  1. calibrate: plan::measure_collectives sweeps all-gather, reduce-scatter and all-reduce
-//     (--min-bytes, default 4 KiB, to --max-bytes, x --growth, default 4; 11 repetitions; bf16 as
-//     the step's gradients and working parameters), out of place and in place, each call's input
-//     written by its rank just before the call and issued asynchronously (--async 0:
-//     synchronously), as the engine's step finds and issues its collectives; the buffers are reused
-//     (--cold-bytes B: calls walk through B bytes of buffers instead, and find their outputs out of
-//     cache). Fitted twice: one link for everything (plan::fit_link), and one link per collective
-//     and placement (plan::fit_links_per_collective).
+//  1. calibrate: plan::measure_collectives sweeps all-gather, reduce-scatter and all-reduce of
+//     bf16 (--min-bytes 4 KiB to --max-bytes 16 MiB, x --growth 2; 11 repetitions), out of place
+//     and in place, as the step finds and issues its collectives (sweep_options): each input
+//     written just before its call, asynchronous (--async 0: not), the optimizer's bytes
+//     streamed before each in-place all-gather (--age 0: not), out-of-place all-gathers on two
+//     outputs of their own as ZeRO-3's with prefetch 1 (--gather-outputs K), the other buffers
+//     reused (--cold-bytes B: walked through B bytes). Fitted twice: one link for everything
+//     (plan::fit_link), and one per collective and placement (plan::fit_links_per_collective).
 //  2. predict: plan::comm_time_per_step for the model's units on a cluster of one node of N
 //     GPUs: "one" with the single link, "pred" with the per-collective links, each call of the
 //     step on the link of its placement (collective_call::in_place).
@@ -98,18 +98,21 @@ struct config {
   int reps = 7;
   int rounds = 5;  // calibrate-then-measure rounds; ratios are reported per round and as medians
   bool samples = false;  // --samples 1: print every calibration sample's median and range
-  // the gradients' type; cache-cold buffers, as a step's collectives find theirs
+  bool age = true;       // --age 0: no optimizer_bytes (in-place all-gathers timed in cache)
   // The step's gradients and parameters are written just before they are reduced or gathered
   // and, at this model's size, still in cache; the step issues them asynchronously, some in
-  // place: the sweep times its collectives the same way (see the file comment).
+  // place: the sweep times its collectives the same way (see the file comment). Sizes x2
+  // apart: the step's 1-2 MiB calls lie where the cost per byte changes with the caches.
   // Single calls are noisier than back-to-back ones: more repetitions per size.
-  plan::sweep_options sweep{.reps = 11,
+  plan::sweep_options sweep{.growth = 2,
+                            .reps = 11,
                             .warmup = 2,
                             .cold_bytes = 0,
                             .fresh_input = true,
                             .out_of_place = true,
                             .in_place = true,
                             .asynchronous = true,
+                            .gather_outputs = 2,
                             .element = shardkit::dtype::bf16};
 };
 
@@ -286,8 +289,16 @@ struct run_result {
 template <class Comm>
 std::vector<run_result> run_all(Comm& comm, const config& c) {
   std::vector<run_result> rounds(static_cast<std::size_t>(c.rounds));
+  // The optimizer's bytes per rank and step (AdamW: 28 per shard element), streamed before each
+  // in-place all-gather of the sweep as the step streams them before its own.
+  plan::sweep_options sweep = c.sweep;
+  if (c.age) {
+    std::uint64_t psi = 0;
+    for (const plan::unit& u : units_of(c.shape)) psi += u.numel;
+    sweep.optimizer_bytes = static_cast<std::size_t>(28 * psi / comm.size());
+  }
   for (run_result& r : rounds) {
-    r.samples = plan::measure_collectives(comm, c.sweep);
+    r.samples = plan::measure_collectives(comm, sweep);
     for (const bool serialize : {true, false}) {
       stage_result* out = serialize ? r.serial : r.overlap;
       out[0] = measure_stage<0>(comm, c, serialize);
@@ -490,11 +501,12 @@ int report(const char* comm_name, int N, const config& c, const std::vector<run_
 }
 
 [[noreturn]] void usage(const std::string& why) {
-  throw std::invalid_argument(
-      why +
-      "\nusage: shardkit_bench_time_model [--size=tiny|full] "
-      "[--ranks 2,4] [--reps K] [--rounds R] [--min-bytes B] "
-      "[--max-bytes B] [--growth G] [--cold-bytes B] [--async 0|1] [--samples 0|1]");
+  throw std::invalid_argument(why +
+                              "\nusage: shardkit_bench_time_model [--size=tiny|full] "
+                              "[--ranks 2,4] [--reps K] [--rounds R] [--min-bytes B] "
+                              "[--max-bytes B] [--growth G] [--cold-bytes B] [--async 0|1] [--age "
+                              "0|1] [--gather-outputs K] "
+                              "[--samples 0|1]");
 }
 
 config parse(int argc, char** argv) {
@@ -540,6 +552,12 @@ config parse(int argc, char** argv) {
     } else if (a == "--async") {
       if (v != "0" && v != "1") usage("--async: '" + v + "': expected 0 or 1");
       c.sweep.asynchronous = v == "1";
+    } else if (a == "--gather-outputs") {
+      c.sweep.gather_outputs = static_cast<std::size_t>(std::strtoull(v.c_str(), nullptr, 10));
+      if (c.sweep.gather_outputs > 16) usage("--gather-outputs: '" + v + "' must be 0..16");
+    } else if (a == "--age") {
+      if (v != "0" && v != "1") usage("--age: '" + v + "': expected 0 or 1");
+      c.age = v == "1";
     } else if (a == "--samples") {
       if (v != "0" && v != "1") usage("--samples: '" + v + "': expected 0 or 1");
       c.samples = v == "1";
@@ -555,11 +573,14 @@ config parse(int argc, char** argv) {
 void header(const config& c) {
   std::printf(
       "time model vs measurement: %zu units of %zu x %zu + %zu (bf16, AdamW), %d steps "
-      "per stage (median), calibration %zu B - %zu B (%s inputs, %s, %s)\n",
+      "per stage (median), calibration %zu B - %zu B (%s inputs, %s, %s, %s, %s)\n",
       c.shape.layers, c.shape.d, c.shape.d, c.shape.d, c.reps, c.sweep.min_bytes, c.sweep.max_bytes,
       c.sweep.fresh_input ? "fresh" : "reused",
       c.sweep.cold_bytes != 0 ? "cold walk" : "reused buffers",
-      c.sweep.asynchronous ? "asynchronous" : "synchronous");
+      c.sweep.asynchronous ? "asynchronous" : "synchronous",
+      c.age ? "optimizer's bytes streamed before in-place all-gathers" : "no optimizer bytes",
+      c.sweep.gather_outputs != 0 ? "out-of-place all-gathers on their own outputs"
+                                  : "outputs walked");
   std::printf(
       "one / pred = plan::comm_time_per_step with one calibrated link / one link per collective "
       "and placement; own = each collective from the last rank's arrival to the first rank's "
