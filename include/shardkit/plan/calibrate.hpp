@@ -308,16 +308,16 @@ struct sweep_options {
   //! and moments, so the slices the call writes come out of cache; its other collectives follow the
   //! writes of their inputs. Pass the optimizer's bytes per rank and step (e.g. 28 bytes per shard
   //! element for AdamW with fp32 state: gradient read, three fp32 arrays read and written, working
-  //! copy written). On this project's machine an in-place all-gather of 1-16 MiB ran 1.5-2.5x as
-  //! long in a step as in a sweep without this, and within 0.90-1.06x with it. Needs
-  //! fresh_input and in_place.
+  //! copy written). On this project's 2-core machines the step's in-place all-gathers took up
+  //! to 2.5x as long as a sweep's without this (benchmarks/README.md, "As the step finds its
+  //! data"). Needs fresh_input and in_place.
   std::size_t optimizer_bytes = 0;
   //! Out-of-place all-gathers take turns on this many outputs of their own (1: the same one
   //! every call), as the engine's ZeRO-3 gathers a unit into a buffer an earlier unit released
   //! (engine_options::reuse_gathered_buffers) and holds prefetch + 1 of them; 0: they walk the
   //! buffers as the other calls do. The outputs are then as warm as the step's: on this
-  //! project's machine the step's out-of-place all-gathers of 1 MiB per rank ran 1.3-1.5x
-  //! faster than a sweep's that walk. At most 16.
+  //! project's 2-core machines the step's out-of-place all-gathers of 1 MiB per rank ran
+  //! 1.3-2x faster than a sweep's that walk. At most 16.
   std::size_t gather_outputs = 0;
   //! Element type of the buffers: fp32 or bf16. Use the gradients' type of the steps to be
   //! predicted: a host communicator's reduction costs more per byte in bf16 (fp32 accumulation
