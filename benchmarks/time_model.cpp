@@ -17,13 +17,14 @@
 //  measurement alike; printed: the links of the first round, pred/own of every round, and per
 //  stage the medians over rounds.
 //  1. calibrate: plan::measure_collectives sweeps all-gather, reduce-scatter and all-reduce of
-//     bf16 (--min-bytes 4 KiB to --max-bytes 16 MiB, x --growth 2; 11 repetitions), out of place
-//     and in place, as the step finds and issues its collectives (sweep_options): each input
-//     written just before its call, asynchronous (--async 0: not), the optimizer's bytes
-//     streamed before each in-place all-gather (--age 0: not), out-of-place all-gathers on two
-//     outputs of their own as ZeRO-3's with prefetch 1 (--gather-outputs K), the other buffers
-//     reused (--cold-bytes B: walked through B bytes). Fitted twice: one link for everything
-//     (plan::fit_link), and one per collective and placement (plan::fit_links_per_collective).
+//     bf16 (--min-bytes 4 KiB to --max-bytes, default the step's largest call and at least
+//     16 MiB, x --growth 2; 11 repetitions), out of place and in place, as the step finds and
+//     issues its collectives (sweep_options): each input written just before its call,
+//     asynchronous (--async 0: not), the optimizer's bytes streamed before each in-place
+//     all-gather (--age 0: not), out-of-place all-gathers on two outputs of their own as
+//     ZeRO-3's with prefetch 1 (--gather-outputs K), the other buffers reused (--cold-bytes B:
+//     walked through B bytes). Fitted twice: one link for everything (plan::fit_link), and one
+//     per collective and placement (plan::fit_links_per_collective).
 //  2. predict: plan::comm_time_per_step for the model's units on a cluster of one node of N
 //     GPUs: "one" with the single link, "pred" with the per-collective links, each call of the
 //     step on the link of its placement (collective_call::in_place).
@@ -72,6 +73,7 @@
 #endif
 
 #include "engine_model.hpp"
+#include "time_model_config.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -91,30 +93,9 @@ namespace {
 namespace plan = shardkit::plan;
 
 using bench::model_shape;
-
-struct config {
-  model_shape shape{1024, 8};
-  std::vector<int> ranks{2, 4};
-  int reps = 7;
-  int rounds = 5;  // calibrate-then-measure rounds; ratios are reported per round and as medians
-  bool samples = false;  // --samples 1: print every calibration sample's median and range
-  bool age = true;       // --age 0: no optimizer_bytes (in-place all-gathers timed in cache)
-  // The step's gradients and parameters are written just before they are reduced or gathered
-  // and, at this model's size, still in cache; the step issues them asynchronously, some in
-  // place: the sweep times its collectives the same way (see the file comment). Sizes x2
-  // apart: the step's 1-2 MiB calls lie where the cost per byte changes with the caches.
-  // Single calls are noisier than back-to-back ones: more repetitions per size.
-  plan::sweep_options sweep{.growth = 2,
-                            .reps = 11,
-                            .warmup = 2,
-                            .cold_bytes = 0,
-                            .fresh_input = true,
-                            .out_of_place = true,
-                            .in_place = true,
-                            .asynchronous = true,
-                            .gather_outputs = 2,
-                            .element = shardkit::dtype::bf16};
-};
+using bench::time_model::config;
+using bench::time_model::setup_of;
+using bench::time_model::units_of;
 
 //! The measurements of one stage on one communicator (the same on every rank).
 struct stage_result {
@@ -147,20 +128,6 @@ double quantile(std::vector<double> v, double q) {
 }
 double median(std::vector<double> v) {
   return quantile(std::move(v), 0.5);
-}
-
-std::vector<plan::unit> units_of(const model_shape& m) {
-  return std::vector<plan::unit>(m.layers, plan::unit{m.d * m.d + m.d});
-}
-
-//! The planner's description of the benchmark's engine: stage `st` on N ranks, bf16, AdamW.
-plan::setup setup_of(int st, int N) {
-  plan::setup s;
-  s.stage = st;
-  s.ranks = static_cast<std::uint64_t>(N);
-  s.bytes =
-      plan::precision_of(shardkit::dtype::bf16, shardkit::dtype::bf16, plan::optimizer_kind::adamw);
-  return s;
 }
 
 //! The step's collectives' own time (collective), summed over the step's calls, two ways:
@@ -500,95 +467,6 @@ int report(const char* comm_name, int N, const config& c, const std::vector<run_
   return 0;
 }
 
-[[noreturn]] void usage(const std::string& why) {
-  throw std::invalid_argument(why +
-                              "\nusage: shardkit_bench_time_model [--size=tiny|full] "
-                              "[--ranks 2,4] [--reps K] [--rounds R] [--min-bytes B] "
-                              "[--max-bytes B] [--growth G] [--cold-bytes B] [--async 0|1] [--age "
-                              "0|1] [--gather-outputs K] "
-                              "[--samples 0|1]");
-}
-
-config parse(int argc, char** argv) {
-  config c;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--size=tiny") {
-      c.shape = {64, 2};
-      c.reps = 3;
-      c.sweep.max_bytes = 1 << 20;  // smaller sizes alone are noise on a busy machine
-      c.sweep.reps = 3;
-      c.sweep.cold_bytes = 0;
-      c.rounds = 1;
-      continue;
-    }
-    if (a == "--size=full") continue;
-    if (i + 1 >= argc) usage("unknown or incomplete argument '" + a + "'");
-    const std::string v = argv[++i];
-    if (a == "--ranks") {
-      c.ranks.clear();
-      for (std::size_t p = 0; p < v.size();) {
-        const std::size_t q = std::min(v.find(',', p), v.size());
-        const int n = std::atoi(v.substr(p, q - p).c_str());
-        if (n < 2 || n > 64) usage("--ranks: '" + v + "': every N must be 2..64");
-        c.ranks.push_back(n);
-        p = q + 1;
-      }
-    } else if (a == "--reps") {
-      c.reps = std::atoi(v.c_str());
-      if (c.reps < 1) usage("--reps: '" + v + "' must be at least 1");
-    } else if (a == "--max-bytes") {
-      c.sweep.max_bytes = static_cast<std::size_t>(std::strtoull(v.c_str(), nullptr, 10));
-      if (c.sweep.max_bytes < 4 * c.sweep.min_bytes) usage("--max-bytes: expected at least 16384");
-    } else if (a == "--growth") {
-      c.sweep.growth = static_cast<std::size_t>(std::strtoull(v.c_str(), nullptr, 10));
-      if (c.sweep.growth < 2) usage("--growth: '" + v + "' must be at least 2");
-    } else if (a == "--rounds") {
-      c.rounds = std::atoi(v.c_str());
-      if (c.rounds < 1 || c.rounds > 100) usage("--rounds: '" + v + "' must be 1..100");
-    } else if (a == "--min-bytes") {
-      c.sweep.min_bytes = static_cast<std::size_t>(std::strtoull(v.c_str(), nullptr, 10));
-      if (c.sweep.min_bytes < 4) usage("--min-bytes: expected at least 4");
-    } else if (a == "--async") {
-      if (v != "0" && v != "1") usage("--async: '" + v + "': expected 0 or 1");
-      c.sweep.asynchronous = v == "1";
-    } else if (a == "--gather-outputs") {
-      c.sweep.gather_outputs = static_cast<std::size_t>(std::strtoull(v.c_str(), nullptr, 10));
-      if (c.sweep.gather_outputs > 16) usage("--gather-outputs: '" + v + "' must be 0..16");
-    } else if (a == "--age") {
-      if (v != "0" && v != "1") usage("--age: '" + v + "': expected 0 or 1");
-      c.age = v == "1";
-    } else if (a == "--samples") {
-      if (v != "0" && v != "1") usage("--samples: '" + v + "': expected 0 or 1");
-      c.samples = v == "1";
-    } else if (a == "--cold-bytes") {
-      c.sweep.cold_bytes = static_cast<std::size_t>(std::strtoull(v.c_str(), nullptr, 10));
-    } else {
-      usage("unknown argument '" + a + "'");
-    }
-  }
-  return c;
-}
-
-void header(const config& c) {
-  std::printf(
-      "time model vs measurement: %zu units of %zu x %zu + %zu (bf16, AdamW), %d steps "
-      "per stage (median), calibration %zu B - %zu B (%s inputs, %s, %s, %s, %s)\n",
-      c.shape.layers, c.shape.d, c.shape.d, c.shape.d, c.reps, c.sweep.min_bytes, c.sweep.max_bytes,
-      c.sweep.fresh_input ? "fresh" : "reused",
-      c.sweep.cold_bytes != 0 ? "cold walk" : "reused buffers",
-      c.sweep.asynchronous ? "asynchronous" : "synchronous",
-      c.age ? "optimizer's bytes streamed before in-place all-gathers" : "no optimizer bytes",
-      c.sweep.gather_outputs != 0 ? "out-of-place all-gathers on their own outputs"
-                                  : "outputs walked");
-  std::printf(
-      "one / pred = plan::comm_time_per_step with one calibrated link / one link per collective "
-      "and placement; own = each collective from the last rank's arrival to the first rank's "
-      "exit, summed, collectives serialized (the model's assumption; own_last: to the last "
-      "rank's exit); ovl_* = as the engine runs: own, seconds inside collectives (timed_comm), "
-      "wall - optimizer seconds\n");
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -596,11 +474,11 @@ int main(int argc, char** argv) {
 #if defined(SHARDKIT_BENCH_MPI)
     if (shardkit::launched_by_mpi()) {
       return shardkit::mpi_main(argc, argv, [&](shardkit::mpi_comm& comm) -> int {
-        const config c = parse(argc, argv);
+        const config c = bench::time_model::parse(argc, argv);
         const std::vector<run_result> r = run_all(comm, c);
         int status = 0;
         if (comm.rank() == 0) {
-          header(c);
+          bench::time_model::header(c);
           status = report("mpi", comm.size(), c, r);
           std::fflush(stdout);
         }
@@ -609,8 +487,8 @@ int main(int argc, char** argv) {
       });
     }
 #endif
-    const config c = parse(argc, argv);
-    header(c);
+    const config c = bench::time_model::parse(argc, argv);
+    bench::time_model::header(c);
     int status = 0;
     for (const int N : c.ranks) {
       const auto results =
