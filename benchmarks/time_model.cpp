@@ -259,11 +259,7 @@ std::vector<run_result> run_all(Comm& comm, const config& c) {
   // The optimizer's bytes per rank and step (AdamW: 28 per shard element), streamed before each
   // in-place all-gather of the sweep as the step streams them before its own.
   plan::sweep_options sweep = c.sweep;
-  if (c.age) {
-    std::uint64_t psi = 0;
-    for (const plan::unit& u : units_of(c.shape)) psi += u.numel;
-    sweep.optimizer_bytes = static_cast<std::size_t>(28 * psi / comm.size());
-  }
+  if (c.age) sweep.optimizer_bytes = 28 * c.shape.params() / static_cast<std::size_t>(comm.size());
   for (run_result& r : rounds) {
     r.samples = plan::measure_collectives(comm, sweep);
     for (const bool serialize : {true, false}) {

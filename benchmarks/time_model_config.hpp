@@ -131,9 +131,7 @@ inline config parse(int argc, char** argv) {
   // The sweep reaches the step's largest call (stage 0's all-reduce of every bf16 gradient), so
   // that no call of the step is predicted beyond the samples.
   if (!max_given) {
-    std::uint64_t psi = 0;
-    for (const plan::unit& u : units_of(c.shape)) psi += u.numel;
-    while (c.sweep.max_bytes < 2 * psi) c.sweep.max_bytes *= c.sweep.growth;
+    while (c.sweep.max_bytes < 2 * c.shape.params()) c.sweep.max_bytes *= c.sweep.growth;
   }
   return c;
 }
