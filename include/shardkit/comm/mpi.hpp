@@ -81,13 +81,15 @@
 //! One endpoint is used by one thread at a time (besides its own progress thread).
 //!
 //! Files: mpi/support.hpp (options, datatypes, errors), mpi/signatures.hpp (how errors name
-//! ranks, the divergence signatures), mpi/state.hpp (the transport: queue, progress,
-//! reductions, timeouts, matching check), mpi/communicator.hpp (mpi_comm and
+//! ranks, the divergence signatures), mpi/stages.hpp (each collective as MPI non-blocking calls
+//! and its rank-ordered reduction), mpi/state.hpp (the transport: queue, progress, timeouts,
+//! matching check), mpi/communicator.hpp (mpi_comm and
 //! mpi_work, behind comm/detail/frontend.hpp), mpi/main.hpp (mpi_main, mpi_session).
 #pragma once
 
 #include <shardkit/comm/mpi/communicator.hpp>
 #include <shardkit/comm/mpi/main.hpp>
 #include <shardkit/comm/mpi/signatures.hpp>
+#include <shardkit/comm/mpi/stages.hpp>
 #include <shardkit/comm/mpi/state.hpp>
 #include <shardkit/comm/mpi/support.hpp>

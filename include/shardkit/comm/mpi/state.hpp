@@ -1,10 +1,11 @@
 //! \file comm/mpi/state.hpp
 //! `detail::mpi_state`: the transport of one mpi_comm endpoint (comm/mpi.hpp has the overview).
-//! It starts every collective as MPI non-blocking calls, keeps them in a queue completed
-//! strictly in issue order, runs the rank-ordered reductions when their MPI part completes,
-//! drives progress (on call or from a progress thread), turns a collective that waits longer
-//! than the timeout into comm_timeout (the communicator is unusable after, since MPI cannot
-//! withdraw an operation), and runs the optional matching check before each collective.
+//! It starts every collective as MPI non-blocking calls (comm/mpi/stages.hpp), keeps them in a
+//! queue completed strictly in issue order, moves each to its next stage (the rank-ordered
+//! reduction) when its MPI part completes, drives progress (on call or from a progress thread),
+//! turns a collective that waits longer than the timeout into comm_timeout (the communicator is
+//! unusable after, since MPI cannot withdraw an operation), and runs the optional matching check
+//! before each collective.
 //!
 //! Ranks are named by their rank in this communicator and, when it is not MPI_COMM_WORLD, their
 //! world rank; a timeout names the ranks that did not issue the collective, found by a roll
@@ -14,13 +15,13 @@
 #include <shardkit/comm/communicator.hpp>
 #include <shardkit/comm/detail/frontend.hpp>
 #include <shardkit/comm/mpi/signatures.hpp>
+#include <shardkit/comm/mpi/stages.hpp>
 #include <shardkit/comm/mpi/support.hpp>
 #include <shardkit/comm/volume.hpp>
 #include <shardkit/config.hpp>
 #include <shardkit/core/dtype.hpp>
 #include <shardkit/core/error.hpp>
 #include <shardkit/core/ledger.hpp>
-#include <shardkit/kernels/host/reduce.hpp>
 
 #include <mpi.h>
 
@@ -78,7 +79,7 @@ class mpi_state {
     queue_.push_back(op);
     try {
       if (opts_.detect_divergence && !opts_.check_matching) start_signature_exchange(*op);
-      start(*op);
+      stages().start(*op);
     } catch (...) {
       broken_ = concat(op->what(), " could not be started on ", me());
       throw;
@@ -251,7 +252,7 @@ class mpi_state {
       while (!op.done()) {
         if (!requests_done(op)) return false;
         if (op.stage == 0) {
-          finish_first_stage(op);
+          stages().finish_first_stage(op);
         } else {
           op.stage = 2;
         }
@@ -329,170 +330,9 @@ class mpi_state {
     return true;
   }
 
-  // The MPI part of stage 0 is complete: reduce what arrived, start all_reduce's all-gather.
-  void finish_first_stage(mpi_op& op) {
-    const collective_desc& d = op.desc;
-    const std::size_t e = size_of(d.type);
-    const auto N = static_cast<std::size_t>(size_);
-    const auto r = static_cast<std::size_t>(rank_);
-    std::vector<const void*> src(N);
-    if (d.kind == collective::reduce_scatter) {
-      for (const auto& p : op.parts) {
-        for (std::size_t q = 0; q < N; ++q) src[q] = op.scratch.get() + p.scratch + q * p.len * e;
-        host::reduce_ordered(d.type, src.data(), N, op.out + p.begin * e, p.len, d.op);
-      }
-    } else if (d.kind == collective::all_reduce) {
-      for (const auto& p : op.parts) {
-        const std::size_t mine = chunk_size(p.len, N, r);
-        for (std::size_t q = 0; q < N; ++q) src[q] = op.scratch.get() + p.scratch + q * mine * e;
-        host::reduce_ordered(d.type, src.data(), N,
-                             op.out + (p.begin + chunk_begin(p.len, N, r)) * e, mine, d.op);
-      }
-      op.scratch.reset();
-      const MPI_Datatype t = mpi_datatype(d.type);
-      for (auto& p : op.parts) {
-        MPI_Request req = MPI_REQUEST_NULL;
-        check(MPI_Iallgatherv(MPI_IN_PLACE, 0, t, op.out + p.begin * e, p.counts.data(),
-                              p.displs.data(), t, phase2_, &req),
-              "MPI_Iallgatherv", op);
-        op.requests.push_back(req);
-      }
-      op.stage = 1;
-      return;
-    }
-    op.scratch.reset();
-    op.stage = 2;
-  }
-
-  // A datatype of `len` elements of `t` whose extent is `stride_bytes`: one per-peer block of a
-  // collective that is split into several MPI calls.
-  void make_strided(mpi_type_holder& h, MPI_Datatype t, std::size_t len, std::size_t stride_bytes,
-                    const mpi_op& op) const {
-    MPI_Datatype contiguous = MPI_DATATYPE_NULL;
-    check(MPI_Type_contiguous(static_cast<int>(len), t, &contiguous), "MPI_Type_contiguous", op);
-    const int rc =
-        MPI_Type_create_resized(contiguous, 0, static_cast<MPI_Aint>(stride_bytes), &h.type);
-    MPI_Type_free(&contiguous);
-    check(rc, "MPI_Type_create_resized", op);
-    check(MPI_Type_commit(&h.type), "MPI_Type_commit", op);
-  }
-
-  // Starts the first MPI stage of `op`.
-  void start(mpi_op& op) {
-    const collective_desc& d = op.desc;
-    const std::size_t e = size_of(d.type);
-    const MPI_Datatype t = mpi_datatype(d.type);
-    const auto N = static_cast<std::size_t>(size_);
-    const auto r = static_cast<std::size_t>(rank_);
-    const std::size_t L = opts_.max_call_elems;
-    const std::size_t c = d.count;
-    MPI_Request req = MPI_REQUEST_NULL;
-    // Called as issued(MPI_Ixxx(..., &req), "MPI_Ixxx"): reads `req` after the call filled it.
-    auto issued = [&](int rc, const char* fn) {
-      check(rc, fn, op);
-      op.requests.push_back(req);
-      req = MPI_REQUEST_NULL;
-    };
-    // Pieces [begin, begin + len) of length <= L covering [0, n).
-    auto pieces = [&](std::size_t n) {
-      for (std::size_t b = 0; b < n; b += L)
-        op.parts.push_back({b, std::min(L, n - b), 0, {}, {}, {}, {}});
-    };
-    switch (d.kind) {
-      case collective::barrier:
-        issued(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier");
-        break;
-      case collective::broadcast:
-        pieces(c);
-        for (const auto& p : op.parts) {
-          issued(MPI_Ibcast(op.out + p.begin * e, static_cast<int>(p.len), t, d.root, comm_, &req),
-                 "MPI_Ibcast");
-        }
-        break;
-      case collective::all_gather: {
-        pieces(c);
-        const bool in_place = op.in == op.out + r * c * e;
-        for (const auto& p : op.parts) {
-          const void* send =
-              in_place ? MPI_IN_PLACE : static_cast<const void*>(op.in + p.begin * e);
-          if (p.len == c) {
-            issued(MPI_Iallgather(send, static_cast<int>(c), t, op.out, static_cast<int>(c), t,
-                                  comm_, &req),
-                   "MPI_Iallgather");
-          } else {
-            mpi_type_holder block;
-            make_strided(block, t, p.len, c * e, op);
-            issued(MPI_Iallgather(send, static_cast<int>(p.len), t, op.out + p.begin * e, 1,
-                                  block.type, comm_, &req),
-                   "MPI_Iallgather");
-          }
-        }
-        break;
-      }
-      case collective::all_to_all: {
-        pieces(c);
-        for (const auto& p : op.parts) {
-          if (p.len == c) {
-            issued(MPI_Ialltoall(op.in, static_cast<int>(c), t, op.out, static_cast<int>(c), t,
-                                 comm_, &req),
-                   "MPI_Ialltoall");
-          } else {
-            mpi_type_holder block;
-            make_strided(block, t, p.len, c * e, op);
-            issued(MPI_Ialltoall(op.in + p.begin * e, 1, block.type, op.out + p.begin * e, 1,
-                                 block.type, comm_, &req),
-                   "MPI_Ialltoall");
-          }
-        }
-        break;
-      }
-      case collective::reduce_scatter: {
-        pieces(c);
-        if (c != 0) op.scratch.reset(new std::byte[N * c * e]);
-        for (auto& p : op.parts) {
-          p.scratch = N * p.begin * e;
-          std::byte* recv = op.scratch.get() + p.scratch;
-          if (p.len == c) {
-            issued(MPI_Ialltoall(op.in, static_cast<int>(c), t, recv, static_cast<int>(c), t, comm_,
-                                 &req),
-                   "MPI_Ialltoall");
-          } else {
-            mpi_type_holder block;
-            make_strided(block, t, p.len, c * e, op);
-            issued(MPI_Ialltoall(op.in + p.begin * e, 1, block.type, recv, static_cast<int>(p.len),
-                                 t, comm_, &req),
-                   "MPI_Ialltoall");
-          }
-        }
-        break;
-      }
-      case collective::all_reduce: {
-        pieces(c);
-        std::size_t scratch_bytes = 0;
-        for (auto& p : op.parts) {
-          const std::size_t mine = chunk_size(p.len, N, r);
-          p.counts.resize(N);
-          p.displs.resize(N);
-          p.recv_counts.assign(N, static_cast<int>(mine));
-          p.recv_displs.resize(N);
-          for (std::size_t q = 0; q < N; ++q) {
-            p.counts[q] = static_cast<int>(chunk_size(p.len, N, q));
-            p.displs[q] = static_cast<int>(chunk_begin(p.len, N, q));
-            p.recv_displs[q] = static_cast<int>(q * mine);
-          }
-          p.scratch = scratch_bytes;
-          scratch_bytes += N * mine * e;
-        }
-        if (scratch_bytes != 0) op.scratch.reset(new std::byte[scratch_bytes]);
-        for (auto& p : op.parts) {
-          issued(MPI_Ialltoallv(op.in + p.begin * e, p.counts.data(), p.displs.data(), t,
-                                op.scratch.get() + p.scratch, p.recv_counts.data(),
-                                p.recv_displs.data(), t, comm_, &req),
-                 "MPI_Ialltoallv");
-        }
-        break;
-      }
-    }
+  //! The MPI calls of this endpoint's collectives (comm/mpi/stages.hpp).
+  mpi_stages stages() const noexcept {
+    return {comm_, phase2_, rank_, size_, world_arg(), opts_.max_call_elems};
   }
 
   // Starts gathering every rank's signature of `op` (before op itself, in issue order on
@@ -564,7 +404,7 @@ class mpi_state {
 
   // Throws comm_error naming `op` when an MPI call failed (the message is built only then).
   void check(int rc, const char* mpi_function, const mpi_op& op) const {
-    if (rc != MPI_SUCCESS) mpi_check(rc, mpi_function, op.what(), rank_, size_, world_arg());
+    stages().check(rc, mpi_function, op);
   }
 
   void progress_loop() {
