@@ -15,7 +15,8 @@
 // For each communicator size N (in-process ranks, or the MPI world):
 //  --rounds R (default 5) times: 1.-3. below, so that the machine's drift reaches calibration and
 //  measurement alike; printed: the links of the first round, pred/own of every round, and per
-//  stage the medians over rounds.
+//  stage the medians over rounds. A round whose sweep cannot be fitted (times that do not grow
+//  with size, on a busy machine) is named and left out; the run fails only if every round is.
 //  1. calibrate: plan::measure_collectives sweeps all-gather, reduce-scatter and all-reduce of
 //     bf16 (--min-bytes 4 KiB to --max-bytes, default the step's largest call and at least
 //     16 MiB, x --growth 2; 11 repetitions), out of place and in place, as the step finds and
@@ -381,25 +382,37 @@ void report_samples(const std::vector<run_result>& rounds) {
   }
 }
 
-//! Prints one communicator's results over the rounds; returns 1 when a calibration could not be
-//! fitted.
-int report(const char* comm_name, int N, const config& c, const std::vector<run_result>& rounds) {
+//! Prints one communicator's results over the rounds. A round whose calibration cannot be fitted
+//! (on a busy machine a sweep's times can fail to grow with size) is named and left out of the
+//! medians; returns 1 when no round could be fitted.
+int report(const char* comm_name, int N, const config& c, const std::vector<run_result>& all) {
+  std::vector<run_result> rounds;
   std::vector<prediction> preds;
-  for (std::size_t k = 0; k < rounds.size(); ++k) {
+  std::vector<std::size_t> number;  // each kept round's number, from 1
+  std::vector<std::string> failed;
+  for (std::size_t k = 0; k < all.size(); ++k) {
     try {
-      preds.push_back(predict(N, c, rounds[k]));
+      preds.push_back(predict(N, c, all[k]));
+      rounds.push_back(all[k]);
+      number.push_back(k + 1);
     } catch (const plan::calibration_error& e) {
-      std::printf("\n%s communicator, N = %d, round %zu: calibration failed: %s\n", comm_name, N,
-                  k + 1, e.what());
-      return 1;
+      failed.push_back("  round " + std::to_string(k + 1) +
+                       ": calibration failed, left out: " + e.what());
     }
   }
-  std::printf("\n%s communicator, N = %d, %zu rounds\n", comm_name, N, rounds.size());
-  // The links of the first round, to show what a calibration finds.
+  std::printf("\n%s communicator, N = %d, %zu rounds", comm_name, N, all.size());
+  if (!failed.empty()) std::printf(" (%zu left out)", failed.size());
+  std::printf("\n");
+  for (const std::string& f : failed) std::printf("%s\n", f.c_str());
+  if (preds.empty()) {
+    std::printf("  no round's calibration could be fitted\n");
+    return 1;
+  }
+  // The links of the first kept round, to show what a calibration finds.
   const prediction& first = preds.front();
   std::printf(
-      "  round 1: one link alpha %.3g us, bandwidth %.4g GB/s (max relative error %.1f%%)\n",
-      first.fit.fitted.latency_s * 1e6, first.fit.fitted.bytes_per_s / 1e9,
+      "  round %zu: one link alpha %.3g us, bandwidth %.4g GB/s (max relative error %.1f%%)\n",
+      number.front(), first.fit.fitted.latency_s * 1e6, first.fit.fitted.bytes_per_s / 1e9,
       100.0 * first.fit.max_rel_error);
   for (const bool in_place : {false, true}) {
     for (const auto op : {shardkit::collective::all_reduce, shardkit::collective::reduce_scatter,
@@ -414,7 +427,7 @@ int report(const char* comm_name, int N, const config& c, const std::vector<run_
   }
   std::printf("  pred/own per round, stages 0-3:\n");
   for (std::size_t k = 0; k < rounds.size(); ++k) {
-    std::printf("    round %zu:", k + 1);
+    std::printf("    round %zu:", number[k]);
     for (int st = 0; st < 4; ++st) {
       std::printf(" %6.3f", preds[k].per[st] / rounds[k].serial[st].after_arrival);
     }
