@@ -228,17 +228,32 @@ param_registry agreed_registry(Comm& comm, int stage, const model_spec& model,
                                const engine_options& o,
                                std::span<const typename Opt::options> groups) {
   param_registry reg;
-  agree_across_ranks(comm, "engine", [&] {
-    reg = param_registry(model);
-    checked_engine_options<Opt>(o, stage, comm.rank(), comm.size(), reg, groups);
-    (void)step_control<host_space>(control_options(o, std::is_same_v<Working, fp16>));
-    fingerprint fp = model_fingerprint(reg);
-    for (auto& f : options_fingerprint<Opt>(o, stage, comm.size(), dtype_of<Working>,
-                                            dtype_of<Grad>, groups)) {
-      fp.push_back(std::move(f));
-    }
-    return fp;
-  });
+  // Through the space's staging: a device communicator takes no host buffers.
+  using Space = typename Comm::memory_space;
+  const auto ops = [&] {
+    if constexpr (std::is_same_v<Space, host_space>)
+      return space_ops<host_space>();  // the calling thread: no team for eight words
+    else
+      return make_space_ops<Space>(o, false);
+  }();
+  const auto gather = [&](const std::uint64_t* in, std::uint64_t* out, std::size_t n) {
+    ops.all_gather_host(comm, in, out, n);
+  };
+  const auto same_rank = [](int r) { return r; };
+  agree_across_ranks(
+      comm, "engine",
+      [&] {
+        reg = param_registry(model);
+        checked_engine_options<Opt>(o, stage, comm.rank(), comm.size(), reg, groups);
+        (void)step_control<host_space>(control_options(o, std::is_same_v<Working, fp16>));
+        fingerprint fp = model_fingerprint(reg);
+        for (auto& f : options_fingerprint<Opt>(o, stage, comm.size(), dtype_of<Working>,
+                                                dtype_of<Grad>, groups)) {
+          fp.push_back(std::move(f));
+        }
+        return fp;
+      },
+      same_rank, gather);
   return reg;
 }
 

@@ -90,8 +90,12 @@ inline std::string rank_list(const std::vector<int>& ranks) {
 //! which ranks hold which value. So a fault on one rank never leaves the others waiting for it,
 //! and ranks with different models or settings never train on. Ranks are those of `comm`;
 //! `world_rank_of` maps them to world ranks for the messages (identity by default).
-template <class Comm, class Local, class WorldRank>
-void agree_across_ranks(Comm& comm, const char* who, Local&& local, WorldRank&& world_rank_of) {
+//! `gather(in, out, n)` all-gathers n host words over `comm` (out holds comm.size()·n): a
+//! communicator of host memory does it directly (the forms below); one of device memory needs
+//! its space's staging (space_ops::all_gather_host).
+template <class Comm, class Local, class WorldRank, class Gather>
+void agree_across_ranks(Comm& comm, const char* who, Local&& local, WorldRank&& world_rank_of,
+                        Gather&& gather) {
   const std::size_t W = 1 + max_fingerprint_fields;
   std::vector<std::uint64_t> mine(W, 0), all;
   std::exception_ptr error;
@@ -110,7 +114,7 @@ void agree_across_ranks(Comm& comm, const char* who, Local&& local, WorldRank&& 
   }
   const auto n = static_cast<std::size_t>(comm.size());
   all.resize(W * n);
-  comm.all_gather(mine.data(), all.data(), W);
+  gather(mine.data(), all.data(), W);
   if (error) std::rethrow_exception(error);
   std::vector<int> failed;
   for (std::size_t q = 0; q < n; ++q) {
@@ -146,6 +150,14 @@ void agree_across_ranks(Comm& comm, const char* who, Local&& local, WorldRank&& 
     detail::raise(who, ": the ranks were given different models or settings (", diff,
                   "); every rank must build the same model with the same options");
   }
+}
+
+template <class Comm, class Local, class WorldRank>
+void agree_across_ranks(Comm& comm, const char* who, Local&& local, WorldRank&& world_rank_of) {
+  agree_across_ranks(comm, who, local, world_rank_of,
+                     [&](const std::uint64_t* in, std::uint64_t* out, std::size_t n) {
+                       comm.all_gather(in, out, n);
+                     });
 }
 
 template <class Comm, class Local>
