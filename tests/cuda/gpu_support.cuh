@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -69,8 +70,12 @@ class dev_array {
  public:
   explicit dev_array(std::size_t n) : buf_(n, nullptr, memory_category::comm_scratch) {}
   explicit dev_array(const std::vector<T>& h) : dev_array(h.size()) { upload(h); }
+  // Called on rank threads too: no Catch2 assertion here (Catch2 is not thread-safe).
   void upload(const std::vector<T>& h) {
-    REQUIRE(h.size() == buf_.size());
+    if (h.size() != buf_.size()) {
+      throw std::invalid_argument("dev_array::upload: " + std::to_string(h.size()) +
+                                  " values for " + std::to_string(buf_.size()) + " elements");
+    }
     copy_elements(buf_.data(), h.data(), h.size(), current_device_stream());
   }
   std::vector<T> download() const {

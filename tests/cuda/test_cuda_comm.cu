@@ -433,8 +433,10 @@ TEST_CASE("thread communicator on device memory refuses host buffers", "[thread_
 #if defined(SHARDKIT_TEST_NCCL)
 
 TEST_CASE("NCCL communicator, deterministic: rank-order results bit for bit", "[nccl]") {
-  WARN("NCCL tests run on " << nccl_ranks()
-                            << " rank(s), one per GPU (NCCL allows one rank per GPU)");
+  int version = 0;
+  REQUIRE(ncclGetVersion(&version) == ncclSuccess);
+  WARN("NCCL " << version << " (the library loaded); the NCCL tests run on " << nccl_ranks()
+               << " rank(s), one per GPU (NCCL allows one rank per GPU)");
   for (std::size_t staging : {std::size_t{64} << 20, std::size_t{256}}) {  // 256 bytes: many rounds
     CAPTURE(staging);
     nccl_options o;
@@ -461,7 +463,7 @@ TEST_CASE("NCCL communicator, native reductions: correct within rounding", "[ncc
       o));
 }
 
-TEST_CASE("NCCL communicator: streams, groups, split, abort", "[nccl]") {
+TEST_CASE("NCCL communicator: grouped collectives and stream-ordered waits", "[nccl]") {
   test::require_all_ok(on_nccl_ranks([](nccl_communicator& c, thread_comm&) -> std::string {
     const int N = c.size(), r = c.rank();
     const std::size_t count = 1 << 20;
@@ -502,13 +504,35 @@ TEST_CASE("NCCL communicator: streams, groups, split, abort", "[nccl]") {
     if (first_difference(other.download(), full.download(), "second gather") != "") {
       return "second grouped all_gather wrong";
     }
-    // split into even and odd ranks
+    c.set_compute_stream(nullptr);  // the stream ends here; the communicator lives on
+    return {};
+  }));
+}
+
+TEST_CASE("NCCL communicator: split", "[nccl]") {
+  test::require_all_ok(on_nccl_ranks([](nccl_communicator& c, thread_comm&) -> std::string {
+    const int N = c.size(), r = c.rank();
+    // even and odd ranks
     auto sub = c.split(r % 2, r);
     if (sub.size() != (N + 1 - r % 2) / 2 || sub.rank() != r / 2) return "split ranks wrong";
     dev_array<std::int32_t> one(std::vector<std::int32_t>{1});
     sub.all_reduce(one.data(), one.data(), 1);
     if (one.download()[0] != sub.size()) return "all_reduce on the split communicator wrong";
-    // abort: later calls fail with the reason
+    dev_array<std::int32_t> mine(std::vector<std::int32_t>{r}), all(sub.size());
+    sub.all_gather(mine.data(), all.data(), 1);
+    const auto got = all.download();
+    for (int q = 0; q < sub.size(); ++q) {
+      if (got[static_cast<std::size_t>(q)] != 2 * q + r % 2)
+        return "all_gather on the split communicator wrong";
+    }
+    return {};
+  }));
+}
+
+TEST_CASE("NCCL communicator: abort", "[nccl]") {
+  test::require_all_ok(on_nccl_ranks([](nccl_communicator& c, thread_comm&) -> std::string {
+    c.barrier();
+    // later calls fail with the reason
     c.abort("testing abort");
     try {
       c.barrier();

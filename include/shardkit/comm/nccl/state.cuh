@@ -182,6 +182,13 @@ class nccl_state {
   int device() const noexcept { return device_; }
   //! Takes ownership of the NCCL communicator (construction).
   void set_handle(ncclComm_t c) noexcept { comm_.store(c); }
+  //! Where NCCL is to write the communicator this state will own, and the configuration it is
+  //! created with (ncclCommInitRankConfig, ncclCommSplit). A non-blocking call keeps the
+  //! address of its output and writes it again from its own thread when the initialisation
+  //! ends, which can be after the call and our wait have returned: on a caller's stack that
+  //! write lands in whatever frame is there then. So both live as long as the state.
+  ncclComm_t* new_comm_slot() noexcept { return &new_comm_; }
+  ncclConfig_t* config_slot() noexcept { return &config_; }
   //! Sets rank and size once NCCL has told them (split).
   void set_identity(int rank, int size) noexcept {
     rank_ = rank;
@@ -238,6 +245,19 @@ class nccl_state {
       if (r != ncclSuccess) fail(r, concat(what, " (ncclCommGetAsyncError)"));
       if (st == ncclSuccess) return;
       if (st != ncclInProgress) fail(st, what);
+      if (std::chrono::steady_clock::now() > deadline) timeout(what);
+      pause(polls++);
+    }
+  }
+
+  //! Waits until NCCL has written a communicator to `slot` (a non-blocking ncclCommSplit
+  //! reports success before the child exists and writes it when its initialisation ends),
+  //! polling this communicator, the parent, for errors; timeout aborts. Returns the child.
+  ncclComm_t await_new_comm(ncclComm_t* slot, std::string_view what) {
+    const auto deadline = std::chrono::steady_clock::now() + opts_.timeout;
+    for (std::uint64_t polls = 0;;) {
+      if (const ncclComm_t c = std::atomic_ref<ncclComm_t>(*slot).load()) return c;
+      poll(what);
       if (std::chrono::steady_clock::now() > deadline) timeout(what);
       pause(polls++);
     }
@@ -376,6 +396,8 @@ class nccl_state {
 
  private:
   std::atomic<ncclComm_t> comm_;
+  ncclComm_t new_comm_ = nullptr;
+  ncclConfig_t config_ = NCCL_CONFIG_INITIALIZER;
   int rank_;
   int size_;
   int device_;
