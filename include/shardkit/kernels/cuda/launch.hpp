@@ -54,6 +54,19 @@ inline constexpr launch_policy grad_stats_policy{512, 2, 16, 2};
 //! Elements per chunk of a multi-run launch: big enough that a block streams for a while,
 //! small enough that the runs of a few large tensors still spread over every multiprocessor.
 inline constexpr std::size_t chunk_elems = std::size_t{1} << 16;
+//! Elements per chunk (and block) of a batched copy: flatten of 1,024 bf16 tensors, 256Mi
+//! elements, on an H200 (benchmarks/bench_cuda.cu) ran at 0.96x a device-to-device copy with
+//! 16Ki, 0.89x with 64Ki and 0.81x with 256Ki: the short blocks keep every multiprocessor
+//! streaming to the end.
+inline constexpr std::size_t copy_chunk_elems = std::size_t{1} << 14;
+//! Blocks of a launch over a table of chunks (batched_copy, fused_step_table): one block per
+//! chunk when `max_blocks` is 0, so the block scheduler overlaps one block's table reads and
+//! start with the others' streaming; else a grid of at most `max_blocks` blocks that loop over
+//! the chunks. (A grid dimension holds at most 2^31 - 1 blocks.)
+constexpr std::size_t table_grid(std::size_t chunks, std::size_t max_blocks) {
+  const std::size_t most = max_blocks == 0 ? std::size_t{0x7fffffff} : max_blocks;
+  return chunks < most ? chunks : most;
+}
 //! Optimizer constants (one per parameter group) passed in one launch's parameters; a table
 //! with more groups takes one launch per this many groups.
 inline constexpr std::size_t max_groups_per_launch = 16;

@@ -231,8 +231,11 @@ class fused_step_table {
 
   //! Plans and uploads the table of `runs` over `groups` parameter groups. Raises
   //! invalid_argument when runs disagree about writing a working copy or name a group >= groups.
-  fused_step_table(std::span<const run> runs, std::size_t groups, device_stream stream)
+  //! `chunk`: elements per chunk (and block).
+  fused_step_table(std::span<const run> runs, std::size_t groups, device_stream stream,
+                   std::size_t chunk = chunk_elems)
       : groups_(groups), stream_(stream) {
+    if (chunk == 0) ::shardkit::detail::raise("fused_step_table: a chunk of 0 elements");
     if (runs.empty()) {
       group_begin_.assign(groups + 1, 0);
       return;
@@ -244,7 +247,7 @@ class fused_step_table {
       plan_runs<true>(runs, extents, host_runs);
     else
       plan_runs<false>(runs, extents, host_runs);
-    const chunk_plan plan = plan_chunks(extents, groups);
+    const chunk_plan plan = plan_chunks(extents, groups, chunk);
     group_begin_ = plan.group_begin;
     chunk_count_ = plan.chunks.size();
     elements_ = 0;
@@ -289,17 +292,19 @@ class fused_step_table {
   //! Enqueues the step of every run on `stream`, group g with constants k[g]; nothing changes
   //! when `skip_if_nonzero` (device memory) holds a non-zero value then (see fused_step).
   //! Raises invalid_argument unless k holds one entry per group.
+  //! `max_blocks` caps the grid of each launch (table_grid; 0: one block per chunk).
   void launch(std::span<const typename Opt::constants> k, device_stream stream,
-              const unsigned long long* skip_if_nonzero = nullptr) const {
+              const unsigned long long* skip_if_nonzero = nullptr,
+              std::size_t max_blocks = 0) const {
     if (k.size() != groups_) {
       ::shardkit::detail::raise("fused_step_table::launch: ", k.size(),
                                 " constants given for a table of ", groups_, " group(s)");
     }
     if (chunk_count_ == 0) return;
     if (write_out_)
-      launch_impl<true>(k, stream, skip_if_nonzero);
+      launch_impl<true>(k, stream, skip_if_nonzero, max_blocks);
     else
-      launch_impl<false>(k, stream, skip_if_nonzero);
+      launch_impl<false>(k, stream, skip_if_nonzero, max_blocks);
   }
 
   std::size_t groups() const noexcept { return groups_; }
@@ -337,7 +342,7 @@ class fused_step_table {
 
   template <bool WriteOut>
   void launch_impl(std::span<const typename Opt::constants> k, device_stream stream,
-                   const unsigned long long* skip) const {
+                   const unsigned long long* skip, std::size_t max_blocks) const {
     using dev_run = detail::step_run<Opt, G, W>;
     const auto* runs = reinterpret_cast<const dev_run*>(table_.data());
     for (std::size_t g0 = 0; g0 < groups_; g0 += max_groups_per_launch) {
@@ -350,8 +355,7 @@ class fused_step_table {
       a.chunk_count = static_cast<std::uint32_t>(c1 - c0);
       a.first_group = static_cast<std::uint32_t>(g0);
       for (std::size_t g = g0; g < g1; ++g) a.k[g - g0] = k[g];
-      const std::size_t grid = std::min<std::size_t>(
-          c1 - c0, static_cast<std::size_t>(cuda_sm_count()) * fused_step_policy.blocks_per_sm);
+      const std::size_t grid = table_grid(c1 - c0, max_blocks);
       detail::launch(&detail::fused_step_table_kernel<Opt, G, W, WriteOut>, "gpu::fused_step_table",
                      grid, fused_step_policy.threads, stream, elements_, runs, a);
     }
