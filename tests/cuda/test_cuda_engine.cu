@@ -96,6 +96,13 @@ struct device_io {
     for (const E& x : h) b.push_back(test::engine_bits(x));
     return b;
   }
+  // What an offloaded optimizer keeps in host memory (its master and state).
+  template <class T>
+  std::vector<std::uint32_t> bits(tensor_view<T, host_space> v) const {
+    std::vector<std::uint32_t> b;
+    for (std::size_t k = 0; k < v.size(); ++k) b.push_back(test::engine_bits(v.data()[k]));
+    return b;
+  }
 };
 
 template <class Policies, class W>
@@ -165,6 +172,51 @@ TEST_CASE("engine on device memory, ZeRO-2: equal to the host engine bit for bit
 TEST_CASE("engine on device memory, ZeRO-3: equal to the host engine bit for bit", "[engine]") {
   check_engine_stage<zero3>();
 }
+// ---- the optimizer offloaded to the host (ZeRO-Offload) ---------------------------------------
+// A device engine whose optimizer keeps master and state in pinned host memory: gradient slices
+// stream to the host on the copy stream, the host steps them, the working slices stream back.
+// Every rank's parameters, master, state and step reports equal the device engine's bit for bit.
+
+namespace {
+template <class Device, class Offloaded>
+void check_offload_on_device() {
+  test::engine_case ec;
+  ec.options.report_grad_norm = true;
+  ec.options.clip_grad_norm = 0.05f;
+  for (int n : {1, 2}) {
+    CAPTURE(n, Device::stage);
+    auto run = [&]<class P>() {
+      return run_ranks<cuda_space>(
+          n,
+          [&](thread_cuda_comm& c) {
+            device_io io;
+            return test::train_engine<P, bf16>(c, ec, io);
+          },
+          short_timeout());
+    };
+    const auto dev = run.template operator()<Device>();
+    const auto off = run.template operator()<Offloaded>();
+    REQUIRE(dev.size() == off.size());
+    for (std::size_t r = 0; r < dev.size(); ++r) {
+      CAPTURE(r);
+      REQUIRE(dev[r].failure == "");
+      REQUIRE(off[r].failure == "");
+      CHECK(off[r].reports == dev[r].reports);
+      CHECK(off[r].params == dev[r].params);
+      CHECK(off[r].master == dev[r].master);
+      CHECK(off[r].states == dev[r].states);
+    }
+  }
+}
+}  // namespace
+
+TEST_CASE("engine on device memory, optimizer offloaded to the host: equal to the device engine",
+          "[engine]") {
+  check_offload_on_device<zero1, zero1_offload>();
+  check_offload_on_device<zero2, zero2_offload>();
+  check_offload_on_device<zero3, zero3_offload>();
+}
+
 // ---- the engine on NCCL (built where NCCL was found) -----------------------------------------
 #if defined(SHARDKIT_TEST_NCCL)
 

@@ -448,7 +448,9 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
   //! This rank's fp32 master shard (S elements in shard order: layout().pieces(rank) maps them
   //! to parameters). Only with 16-bit working parameters; in fp32 the working copy is the
   //! master.
-  tensor_view<const float, memory_space> master_shard() const noexcept {
+  //! In host memory when the optimizer is offloaded (OffloadOptimizer), else in the engine's.
+  tensor_view<const float, typename optimizer_component::memory_space> master_shard()
+      const noexcept {
     static_assert(has_master,
                   "engine::master_shard(): training in fp32 keeps no separate master copy; the "
                   "working parameters are the fp32 values");
@@ -460,7 +462,9 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
     return params_.shard();
   }
   //! This rank's shard of optimizer state `s` (0 <= s < Optimizer::state_count).
-  tensor_view<const float, memory_space> optimizer_state(std::size_t s) const {
+  //! In host memory when the optimizer is offloaded, as master_shard().
+  tensor_view<const float, typename optimizer_component::memory_space> optimizer_state(
+      std::size_t s) const {
     if (s >= Optimizer::state_count) {
       detail::raise("engine::optimizer_state: ", Optimizer::name, " has ", Optimizer::state_count,
                     " state(s), asked for #", s);

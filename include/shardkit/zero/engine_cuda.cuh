@@ -30,5 +30,6 @@
 //! -fmad=false (docs/cuda.md, "What is bit-identical").
 #pragma once
 
+#include <shardkit/zero/copy_queue_cuda.cuh>
 #include <shardkit/zero/engine.hpp>
 #include <shardkit/zero/space_ops_cuda.cuh>

@@ -94,6 +94,11 @@ class offload_optimizer {
     host_.set_step_parts(std::move(bounds));
     host_.bind(flat_span<const Grad>::shard(grads_h_.data(), grads_h_.size()),
                flat_span<Working>::shard(working_h_.data(), working_h_.size()));
+    // A device's queue page-locks the host side of its copies (copy_queue_cuda.cuh).
+    if constexpr (requires(copy_queue<Space> & q) { q.pin(nullptr, std::size_t{0}); }) {
+      queue_.pin(grads_h_.data(), grads_h_.bytes());
+      queue_.pin(working_h_.data(), working_h_.bytes());
+    }
   }
 
   //! The engine's form: on a host engine the host step shares the engine's threads
