@@ -141,8 +141,9 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
   using params_component = typename parts::params;
   using grads_component = typename parts::grads;
   //! shard_optimizer, or offload_optimizer (master and state in host memory) with
-  //! OffloadOptimizer.
+  //! OffloadOptimizer; optimizer_view: its master and state, in its memory space.
   using optimizer_component = typename parts::optimizer;
+  using optimizer_view = tensor_view<const float, typename optimizer_component::memory_space>;
   using control_component = step_control<memory_space>;
 
   //! Builds the buffers for `model` and copies its initial values. Collective: the ranks first
@@ -448,9 +449,7 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
   //! This rank's fp32 master shard (S elements in shard order: layout().pieces(rank) maps them
   //! to parameters). Only with 16-bit working parameters; in fp32 the working copy is the
   //! master.
-  //! In host memory when the optimizer is offloaded (OffloadOptimizer), else in the engine's.
-  tensor_view<const float, typename optimizer_component::memory_space> master_shard()
-      const noexcept {
+  optimizer_view master_shard() const noexcept {
     static_assert(has_master,
                   "engine::master_shard(): training in fp32 keeps no separate master copy; the "
                   "working parameters are the fp32 values");
@@ -462,9 +461,7 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
     return params_.shard();
   }
   //! This rank's shard of optimizer state `s` (0 <= s < Optimizer::state_count).
-  //! In host memory when the optimizer is offloaded, as master_shard().
-  tensor_view<const float, typename optimizer_component::memory_space> optimizer_state(
-      std::size_t s) const {
+  optimizer_view optimizer_state(std::size_t s) const {
     if (s >= Optimizer::state_count) {
       detail::raise("engine::optimizer_state: ", Optimizer::name, " has ", Optimizer::state_count,
                     " state(s), asked for #", s);
