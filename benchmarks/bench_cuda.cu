@@ -130,22 +130,33 @@ void BM_d2d_copy(benchmark::State& state) {
   report_ratio(state, bytes, bw);
 }
 
+// The arrays of an AdamW step over n elements: fp32 master, m and v, bf16 gradients and
+// working copy, filled with values of a training step's magnitudes.
+struct adamw_arrays {
+  explicit adamw_arrays(std::size_t n)
+      : p(n, nullptr, memory_category::master_params),
+        m(n, nullptr, memory_category::optimizer_moments),
+        v(n, nullptr, memory_category::optimizer_moments),
+        g(n, nullptr, memory_category::grads),
+        w(n, nullptr, memory_category::working_params) {
+    fill(p.data(), n, 1, -1.0f, 1.0f);
+    fill(m.data(), n, 2, -0.01f, 0.01f);
+    fill(v.data(), n, 3, 1e-6f, 1e-4f);
+    fill(g.data(), n, 4, -0.1f, 0.1f);
+  }
+  buffer<float, cuda_space> p, m, v;
+  buffer<bf16, cuda_space> g, w;
+};
+
 void fused_adamw(benchmark::State& state, gpu::elementwise_path path) {
   const std::size_t n = static_cast<std::size_t>(state.range(0));
-  buffer<float, cuda_space> p(n, nullptr, memory_category::master_params),
-      m(n, nullptr, memory_category::optimizer_moments),
-      v(n, nullptr, memory_category::optimizer_moments);
-  buffer<bf16, cuda_space> g(n, nullptr, memory_category::grads),
-      w(n, nullptr, memory_category::working_params);
-  fill(p.data(), n, 1, -1.0f, 1.0f);
-  fill(m.data(), n, 2, -0.01f, 0.01f);
-  fill(v.data(), n, 3, 1e-6f, 1e-4f);
-  fill(g.data(), n, 4, -0.1f, 0.1f);
-  float* state_ptrs[2] = {m.data(), v.data()};
+  adamw_arrays a(n);
+  float* state_ptrs[2] = {a.m.data(), a.v.data()};
   const auto k = adamw::prepare({.lr = 1e-4f, .weight_decay = 0.01f}, 10, 1e-4f, 0.5f);
   const std::int64_t bytes = static_cast<std::int64_t>(n) * 28;
   const double bw = run_timed(state, bytes, [&] {
-    gpu::fused_step<adamw>(k, p.data(), state_ptrs, g.data(), w.data(), n, nullptr, nullptr, path);
+    gpu::fused_step<adamw>(k, a.p.data(), state_ptrs, a.g.data(), a.w.data(), n, nullptr, nullptr,
+                           path);
   });
   report_ratio(state, bytes, bw);
 }
@@ -158,57 +169,57 @@ void BM_fused_adamw_handwritten(benchmark::State& state) {
 
 // The engine's step over its runs (here two parameter groups of one shard, 3:1), bf16
 // gradients and working copy, 28 bytes per element.
-// mode 0: the table, one block per chunk; 1: the table on a persistent grid; 2: one
-// gpu::fused_step per run (cub::DeviceTransform), what the engine does for few runs; 3: the
-// table with a quarter of the elements per chunk.
-void fused_step_runs(benchmark::State& state, int mode) {
+enum class step_form {
+  table,             // gpu::fused_step_table, one block per chunk
+  table_persistent,  // the table on a grid of 4 blocks per SM looping over the chunks
+  table_chunk16k,    // the table with a quarter of the elements per chunk
+  per_run,           // one gpu::fused_step (cub::DeviceTransform) per run: the engine's form
+};
+void fused_step_runs(benchmark::State& state, step_form form) {
   const std::size_t n = static_cast<std::size_t>(state.range(0));
-  buffer<float, cuda_space> p(n, nullptr, memory_category::master_params),
-      m(n, nullptr, memory_category::optimizer_moments),
-      v(n, nullptr, memory_category::optimizer_moments);
-  buffer<bf16, cuda_space> g(n, nullptr, memory_category::grads),
-      w(n, nullptr, memory_category::working_params);
-  fill(p.data(), n, 1, -1.0f, 1.0f);
-  fill(m.data(), n, 2, -0.01f, 0.01f);
-  fill(v.data(), n, 3, 1e-6f, 1e-4f);
-  fill(g.data(), n, 4, -0.1f, 0.1f);
+  adamw_arrays a(n);
   using table = gpu::fused_step_table<adamw, bf16, bf16>;
   const std::size_t first = n / 4 * 3;
   std::vector<table::run> runs;
   for (auto [at, len, group] :
        {std::array<std::size_t, 3>{0, first, 0}, std::array<std::size_t, 3>{first, n - first, 1}}) {
-    runs.push_back(
-        {p.data() + at, {m.data() + at, v.data() + at}, g.data() + at, w.data() + at, len, group});
+    runs.push_back({a.p.data() + at,
+                    {a.m.data() + at, a.v.data() + at},
+                    a.g.data() + at,
+                    a.w.data() + at,
+                    len,
+                    group});
   }
-  const table t(runs, 2, nullptr, mode == 3 ? gpu::chunk_elems / 4 : gpu::chunk_elems);
+  const table t(runs, 2, nullptr,
+                form == step_form::table_chunk16k ? gpu::chunk_elems / 4 : gpu::chunk_elems);
   const std::array<adamw::constants, 2> k{
       adamw::prepare({.lr = 1e-4f, .weight_decay = 0.01f}, 10, 1e-4f, 0.5f),
       adamw::prepare({.lr = 1e-4f, .weight_decay = 0.0f}, 10, 1e-4f, 0.5f)};
   const std::int64_t bytes = static_cast<std::int64_t>(n) * 28;
   const std::size_t persistent = static_cast<std::size_t>(cuda_sm_count()) * 4;
   const double bw = run_timed(state, bytes, [&] {
-    if (mode == 2) {
+    if (form == step_form::per_run) {
       for (const auto& r : runs) {
         gpu::fused_step<adamw>(k[r.group], r.params, r.state.data(), r.grads, r.working_out,
                                r.count, nullptr);
       }
     } else {
-      t.launch(k, nullptr, nullptr, mode == 1 ? persistent : 0);
+      t.launch(k, nullptr, nullptr, form == step_form::table_persistent ? persistent : 0);
     }
   });
   report_ratio(state, bytes, bw);
 }
 void BM_fused_step_table(benchmark::State& state) {
-  fused_step_runs(state, 0);
+  fused_step_runs(state, step_form::table);
 }
 void BM_fused_step_table_persistent(benchmark::State& state) {
-  fused_step_runs(state, 1);
+  fused_step_runs(state, step_form::table_persistent);
 }
 void BM_fused_step_per_run(benchmark::State& state) {
-  fused_step_runs(state, 2);
+  fused_step_runs(state, step_form::per_run);
 }
 void BM_fused_step_table_chunk16k(benchmark::State& state) {
-  fused_step_runs(state, 3);
+  fused_step_runs(state, step_form::table_chunk16k);
 }
 
 // fp32 gradients, fp32 master/m/v, no working copy: what torch.optim.AdamW(fused=True) does for
