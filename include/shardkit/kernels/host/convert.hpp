@@ -44,10 +44,14 @@ struct convert_kernel {
   template <class Isa, bool Stream = false>
   SHARDKIT_FORCEINLINE static void two(const S* in, D* out, std::size_t i) {
     constexpr std::size_t L = Isa::width;
-    const auto a = simd::load<Isa>(in + i);
-    const auto b = simd::load<Isa>(in + i + L);
-    put<Isa, Stream>(out + i, a);
-    put<Isa, Stream>(out + i + L, b);
+    simd::vf<Isa::width> a, b;
+    simd::load2<Isa>(in + i, a, b);
+    if constexpr (Stream) {
+      put<Isa, true>(out + i, a);
+      put<Isa, true>(out + i + L, b);
+    } else {
+      simd::store2<Isa>(out + i, a, b);
+    }
   }
 
   template <class Isa>

@@ -322,8 +322,14 @@ SHARDKIT_DETAIL_SIMD_FN bool any(vu<W> m) {
   if constexpr (W == 1) {
     return m.v != 0;
 #if !defined(SHARDKIT_HOST_SCALAR_SIMD)  // (nvcc's front end need not parse these)
-  } else if constexpr (W == 16) {        // fold the halves in registers rather than through memory
-    using H = typename vu<W / 2>::U;     // dependent: the one-lane build has no 8-lane type
+#if defined(SHARDKIT_DETAIL_HOST_ASM)
+  } else if constexpr (W == 8) {  // VPTEST: one instruction and the flag (GCC folds the
+    bool r;                       // halves, moves both quadwords out and ors them: six)
+    __asm__("vptest %1, %1" : "=@ccnz"(r) : "x"(m.v));
+    return r;
+#endif
+  } else if constexpr (W == 16) {     // fold the halves in registers rather than through memory
+    using H = typename vu<W / 2>::U;  // dependent: the one-lane build has no 8-lane type
     const H lo = __builtin_shufflevector(m.v, m.v, 0, 1, 2, 3, 4, 5, 6, 7);
     const H hi = __builtin_shufflevector(m.v, m.v, 8, 9, 10, 11, 12, 13, 14, 15);
     return any(vu<W / 2>{lo | hi});

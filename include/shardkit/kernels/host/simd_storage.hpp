@@ -39,6 +39,15 @@ SHARDKIT_DETAIL_SIMD_FN vu<W> widen(vh<W> h) {
   if constexpr (W == 1) {
     return {static_cast<std::uint32_t>(h.v)};
   } else {
+#if defined(SHARDKIT_DETAIL_HOST_ASM)
+    if constexpr (W == 8) {
+      // One VPMOVZXWD: GCC widens 8 lanes for a target without AVX-512 in four instructions
+      // (two 128-bit extensions, a shift and an insert).
+      vu<W> u;
+      __asm__("vpmovzxwd %1, %0" : "=x"(u.v) : "x"(h.v));
+      return u;
+    }
+#endif
     return {__builtin_convertvector(h.v, typename vu<W>::U)};
   }
 }
@@ -48,17 +57,56 @@ SHARDKIT_DETAIL_SIMD_FN vh<W> narrow(vu<W> u) {
   if constexpr (W == 1) {
     return {static_cast<std::uint16_t>(u.v)};
   } else {
+#if defined(SHARDKIT_DETAIL_HOST_ASM)
+    if constexpr (W == 8) {
+      // The upper half extracted and the two packed (VPACKUSDW saturates, which changes no
+      // lane below 65536): two instructions where the conversion takes a mask, a pack and a
+      // cross-lane permute.
+      vh<W> h;
+      __asm__("vextracti128 $1, %1, %0\n\tvpackusdw %0, %x1, %0" : "=&x"(h.v) : "x"(u.v));
+      return h;
+    }
+#endif
     return {__builtin_convertvector(u.v, typename storage<W>::h)};
+  }
+}
+
+//! Lanes whose bits are a NaN (exponent all ones, mantissa not zero), in integer arithmetic:
+//! no floating-point flag is raised, whatever the input.
+template <int W>
+SHARDKIT_DETAIL_SIMD_FN vu<W> nan_bits(vu<W> u) {
+#if !defined(SHARDKIT_HOST_SCALAR_SIMD)  // (nvcc's front end need not parse these)
+  if constexpr (W > 1) {
+    // both sides are non-negative as signed integers, so the signed compare (one instruction;
+    // the unsigned one has none before AVX-512) gives the same answer
+    typedef std::int32_t I __attribute__((vector_size(sizeof(typename vu<W>::U))));
+    const I a = __builtin_bit_cast(I, (u & 0x7fffffffu).v);
+    return SHARDKIT_DETAIL_SIMD_MASK(W, a > 0x7f800000);
+  } else
+#endif
+  {
+    return {(u.v & 0x7fffffffu) > 0x7f800000u ? ~0u : 0u};
+  }
+}
+
+//! float bits -> bf16 bits (low 16 bits of each lane), round to nearest even, for lanes that
+//! are not NaN (a NaN lane may carry into its neighbour's bits: bf16_round_int handles them).
+template <int W>
+SHARDKIT_DETAIL_SIMD_FN vu<W> bf16_round_finite(vu<W> u) {
+  if constexpr (W == 1) {
+    return (u + ((u >> 16) & 1u) + 0x7fffu) >> 16;
+  } else {
+    const vu<W> odd = (u & 0x10000u) == 0x10000u;  // all ones where the kept bit is odd
+    return (u + 0x7fffu - odd) >> 16;
   }
 }
 
 //! float -> bf16 bits (low 16 bits of each lane), as float_to_bf16_bits, with integer ops.
 template <int W>
 SHARDKIT_DETAIL_SIMD_FN vu<W> bf16_round_int(vu<W> u) {
-  const vu<W> rounded = (u + ((u >> 16) & 1u) + 0x7fffu) >> 16;
   const vu<W> hi = u >> 16;
   const vu<W> quiet = hi | (((hi & 0x7fu) == 0u) & 0x40u);
-  return select((u & 0x7fffffffu) > 0x7f800000u, quiet, rounded);
+  return select(nan_bits(u), quiet, bf16_round_finite(u));
 }
 
 //! float -> fp16 bits, as float_to_fp16_bits (integer ops; the FPU for subnormal results).
@@ -163,6 +211,12 @@ SHARDKIT_DETAIL_SIMD_FN vh<Isa::width> to_bf16(vf<Isa::width> f) {
     return h;
   }
 #endif
+  if constexpr (W == 4 || W == 8) {
+    // NaN lanes are rare: the rounding of the others, and the whole integer path only for a
+    // vector that holds one (the same bits either way)
+    const vu<W> u = bits(f);
+    if (!any(impl::nan_bits(u))) return impl::narrow(impl::bf16_round_finite(u));
+  }
   return impl::narrow(impl::bf16_round_int(bits(f)));
 }
 
@@ -177,7 +231,7 @@ SHARDKIT_DETAIL_SIMD_FN vh<Isa::width> to_fp16(vf<Isa::width> f) {
     if constexpr (W == 16) {
       if (!impl::any_class<impl::class_nan>(f)) return h;
     }
-    const vu<W> nan = (bits(f) & 0x7fffffffu) > 0x7f800000u;
+    const vu<W> nan = impl::nan_bits(bits(f));
     if (any(nan)) h = impl::narrow(select(nan, impl::fp16_round_int(f), impl::widen<W>(h)));
     return h;
   }
@@ -196,9 +250,12 @@ SHARDKIT_DETAIL_SIMD_FN vf<Isa::width> from_fp16(vh<Isa::width> h) {
     if constexpr (W == 16) {
       if (!impl::any_class<impl::class_nan>(f)) return f;
     }
-    const vu<W> u = impl::widen<W>(h);
-    const vu<W> nan = (u & 0x7fffu) > 0x7c00u;  // F16C quiets signalling NaNs
-    if (any(nan)) f = select(nan, impl::fp16_widen_int(u), f);
+    // F16C quiets signalling NaNs; the NaN lanes of f are found without widening h (the
+    // compare is quiet: every NaN of f is quiet)
+    if (any(isnan(f))) {
+      const vu<W> u = impl::widen<W>(h);
+      f = select((u & 0x7fffu) > 0x7c00u, impl::fp16_widen_int(u), f);
+    }
     return f;
   }
 #endif
@@ -275,6 +332,76 @@ SHARDKIT_DETAIL_SIMD_FN vf<Isa::width> store_rounded_partial(T* p, vf<Isa::width
   const vf<Isa::width> r = store_rounded<Isa>(tmp, x);
   std::memcpy(p, tmp, n * sizeof(T));
   return r;
+}
+
+#if defined(SHARDKIT_DETAIL_HOST_ASM)
+namespace impl {
+//! Lanes where a or b holds a NaN, in integer arithmetic (no flag raised): the larger
+//! magnitude of the two (signed max of non-negative lanes) tested once.
+template <int W>
+SHARDKIT_DETAIL_SIMD_FN vu<W> nan_bits2(vu<W> a, vu<W> b) {
+  typedef std::int32_t I __attribute__((vector_size(sizeof(typename vu<W>::U))));
+  const I x = __builtin_bit_cast(I, (a & 0x7fffffffu).v);
+  const I y = __builtin_bit_cast(I, (b & 0x7fffffffu).v);
+  const I m = x > y ? x : y;
+  return SHARDKIT_DETAIL_SIMD_MASK(W, m > 0x7f800000);
+}
+//! Lanes where a or b is a NaN (VCMPUNORDPS, a quiet compare; for the F16C paths, whose
+//! conversions already raise the invalid flag on a signalling NaN).
+template <int W>
+SHARDKIT_DETAIL_SIMD_FN vu<W> unordered(vf<W> a, vf<W> b) {
+  vu<W> m;
+  __asm__("vcmpunordps %2, %1, %0" : "=x"(m.v) : "x"(a.v), "x"(b.v));
+  return m;
+}
+}  // namespace impl
+#endif
+
+//! Loads 2 * Isa::width elements of fp32/bf16/fp16 storage as two vectors: the same bits as
+//! two load() calls. The AVX2 build tests the fp16 widenings of both for NaN at once.
+template <class Isa, class T>
+SHARDKIT_DETAIL_SIMD_FN void load2(const T* p, vf<Isa::width>& a, vf<Isa::width>& b) {
+  constexpr int W = Isa::width;
+#if defined(SHARDKIT_DETAIL_HOST_ASM)
+  if constexpr (W == 8 && Isa::f16c && std::is_same_v<T, fp16>) {
+    const vh<W> ha = impl::load_h<W>(p), hb = impl::load_h<W>(p + W);
+    a = impl::fp16_widen_hw<W>(ha);
+    b = impl::fp16_widen_hw<W>(hb);
+    if (!any(impl::unordered(a, b))) return;
+  }
+#endif
+  a = load<Isa>(p);
+  b = load<Isa>(p + W);
+}
+
+//! Stores two vectors (a, then b) to 2 * Isa::width elements of fp32/bf16/fp16 storage: the
+//! same bits as two store() calls. The AVX2 build rounds both to bf16 with one NaN test and
+//! one pack, and tests both fp16 conversions for NaN at once.
+template <class Isa, class T>
+SHARDKIT_DETAIL_SIMD_FN void store2(T* p, vf<Isa::width> a, vf<Isa::width> b) {
+  constexpr int W = Isa::width;
+#if defined(SHARDKIT_DETAIL_HOST_ASM)
+  if constexpr (W == 8 && std::is_same_v<T, bf16>) {
+    const vu<W> ua = bits(a), ub = bits(b);
+    if (!any(impl::nan_bits2(ua, ub))) {
+      // VPACKUSDW packs within 128-bit halves (a0-3 b0-3 a4-7 b4-7); VPERMQ puts them in order
+      typename impl::storage<2 * W>::h h;
+      __asm__("vpackusdw %2, %1, %0\n\tvpermq $0xd8, %0, %0"
+              : "=x"(h)
+              : "x"(impl::bf16_round_finite(ua).v), "x"(impl::bf16_round_finite(ub).v));
+      std::memcpy(p, &h, sizeof h);
+      return;
+    }
+  } else if constexpr (W == 8 && Isa::f16c && std::is_same_v<T, fp16>) {
+    if (!any(impl::unordered(a, b))) {
+      impl::store_h<W>(p, impl::fp16_cvt_hw(a));
+      impl::store_h<W>(p + W, impl::fp16_cvt_hw(b));
+      return;
+    }
+  }
+#endif
+  store<Isa>(p, a);
+  store<Isa>(p + W, b);
 }
 
 //! Whether the build `Isa` has streaming stores (store_stream): the AVX2 and AVX-512 builds
