@@ -119,7 +119,15 @@ TEST_CASE("the streaming threshold: the cache share by default, SHARDKIT_STREAMI
   const std::size_t fallback = host::detail::default_streaming_threshold();
   WARN("last-level cache share of one CPU: " << share << " bytes; casts stream from "
                                              << host::streaming_threshold() << " bytes");
-  CHECK(fallback == (share == 0 ? std::size_t{8} << 20 : share / 4));
+  CHECK(fallback == host::detail::streaming_threshold_for(host::detail::last_level_cache()));
+  // the rule on the two caches it was measured on, and its ends
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  using llc = host::detail::llc_info;
+  CHECK(host::detail::streaming_threshold_for(llc{480 * MiB, 2}) == 60 * MiB);  // a quarter share
+  CHECK(host::detail::streaming_threshold_for(llc{32 * MiB, 2}) == 32 * MiB);   // the whole cache
+  CHECK(host::detail::streaming_threshold_for(llc{8 * MiB, 1}) == 8 * MiB);
+  CHECK(host::detail::streaming_threshold_for(llc{256 * MiB, 128}) == 32 * MiB);  // the cap
+  CHECK(host::detail::streaming_threshold_for(llc{0, 1}) == 8 * MiB);             // unknown
 
   {
     scoped_env set("SHARDKIT_STREAMING_BYTES", "12345");

@@ -7,16 +7,24 @@
 //! the cache. That pays when the output would leave the cache before the next pass (a
 //! collective, the optimizer step) reads it, and costs that pass a trip to memory when it
 //! would not have. So a cast streams when the bytes one thread reads and writes reach
-//! host::streaming_threshold(): by default 1/4 of one CPU's share of the last-level cache.
+//! host::streaming_threshold(): by default 1/4 of one CPU's share of the last-level cache, but
+//! never less than that whole cache up to 32 MiB.
 //!
-//! The quarter is measured, not derived. On an Intel Xeon whose VM reports a 480 MiB L3 for
-//! 2 CPUs (a 240 MiB share), a cast followed by a pass that reads its output ran faster with
-//! ordinary stores up to about 50 MB read and written per thread (fp32 -> bf16 at 8Mi
-//! elements), about as fast either way at 75 MB (12Mi), and faster with streaming stores from
-//! 100 MB (16Mi), on 1 and on 2 threads (benchmarks/convert.cpp's cast_read pairs measure it);
-//! the share reported is not what one CPU of a shared machine gets. glibc's memcpy switches to
-//! streaming at 3/4 of the share, but below that it copies with `rep movsb`, which on that
-//! machine did not pay for reading the lines it overwrites; a cast's vector stores do.
+//! Both terms are measured, not derived (benchmarks/convert.cpp's cast_read pairs: a cast
+//! fp32 -> bf16, then a pass that reads its output, with either kind of store):
+//!  - On an Intel Xeon whose VM reports a 480 MiB L3 for 2 CPUs (a 240 MiB share), ordinary
+//!    stores were faster up to about 50 MB read and written per thread (8Mi elements), about as
+//!    fast at 75 MB (12Mi), and streaming stores faster from 100 MB (16Mi), on 1 and on 2
+//!    threads: a quarter of the share (60 MiB). The share reported is not what one CPU of a
+//!    shared machine gets.
+//!  - On an AMD EPYC whose VM reports a 32 MiB L3 for 2 CPUs (a 16 MiB share), ordinary stores
+//!    were faster at 12 and 24 MiB (2Mi and 4Mi elements), streaming stores from 48 MiB (8Mi):
+//!    about the whole cache. A quarter of the share (4 MiB) sent casts of 6 MiB, which fit in
+//!    the cache five times over, to memory, at half the speed of ordinary stores.
+//! A small last-level cache is then used whole; the cap keeps a large one shared by many CPUs
+//! from holding back streaming for output that cannot stay. glibc's memcpy switches to
+//! streaming at 3/4 of the share, but below that it copies with `rep movsb`, which on the Xeon
+//! did not pay for reading the lines it overwrites; a cast's vector stores do.
 //!
 //! The streaming path writes the same bits (the value of a store never depends on its kind);
 //! it exists in the AVX2 and AVX-512 builds compiled by GCC (simd::has_stream_stores).
@@ -77,9 +85,16 @@ inline std::size_t count_cpu_list(const std::string& list) {
   return count;
 }
 
-//! The bytes of last-level cache one CPU can count on: the L3 (else the L2) that CPU 0 sees,
-//! divided among the CPUs that share it (Linux sysfs; else sysconf; else 0 when unknown).
-inline std::size_t llc_share_bytes() {
+//! The last-level cache CPU 0 sees: its bytes, and how many CPUs share it (bytes 0: unknown).
+struct llc_info {
+  std::size_t bytes = 0;
+  std::size_t sharing = 1;
+  std::size_t share() const { return bytes / sharing; }
+};
+
+//! The L3 (else the L2) that CPU 0 sees, and the CPUs that share it (Linux sysfs; else sysconf;
+//! else unknown).
+inline llc_info last_level_cache() {
   std::size_t best_level = 0, bytes = 0, sharing = 1;
   for (int index = 0; index < 8; ++index) {
     const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index);
@@ -107,14 +122,29 @@ inline std::size_t llc_share_bytes() {
     }
   }
 #endif
-  return bytes / sharing;
+  return {bytes, sharing};
 }
 
-//! The threshold when neither the environment nor a scope sets one: 1/4 of a CPU's share of
-//! the last-level cache, or 8 MiB when the cache size is unknown.
+//! The bytes of last-level cache one CPU can count on: the cache divided among the CPUs that
+//! share it (0 when unknown).
+inline std::size_t llc_share_bytes() {
+  return last_level_cache().share();
+}
+
+//! The largest last-level cache a cast uses whole (see the file comment).
+inline constexpr std::size_t whole_cache_cap = std::size_t{32} << 20;
+
+//! The threshold for a last-level cache: 1/4 of one CPU's share, and at least the whole cache
+//! up to whole_cache_cap; 8 MiB when the cache size is unknown.
+inline std::size_t streaming_threshold_for(const llc_info& llc) {
+  if (llc.bytes == 0) return std::size_t{8} << 20;
+  return std::max(llc.share() / 4, std::min(llc.bytes, whole_cache_cap));
+}
+
+//! The threshold when neither the environment nor a scope sets one: streaming_threshold_for
+//! this machine's last-level cache.
 inline std::size_t default_streaming_threshold() {
-  const std::size_t share = llc_share_bytes();
-  return share == 0 ? std::size_t{8} << 20 : share / 4;
+  return streaming_threshold_for(last_level_cache());
 }
 
 //! SHARDKIT_STREAMING_BYTES's threshold, else the default. Raises invalid_argument for a value
@@ -151,8 +181,9 @@ inline std::atomic<std::size_t> forced_streaming_threshold{unresolved_threshold}
 
 //! The bytes (read plus written) from which a cast with stores::automatic writes with
 //! streaming stores: host::scoped_streaming_threshold's, else SHARDKIT_STREAMING_BYTES's, else
-//! 1/4 of one CPU's share of the last-level cache. Raises invalid_argument when
-//! SHARDKIT_STREAMING_BYTES is not a non-negative integer.
+//! detail::streaming_threshold_for this machine's last-level cache (1/4 of one CPU's share, at
+//! least the whole cache up to 32 MiB). Raises invalid_argument when SHARDKIT_STREAMING_BYTES
+//! is not a non-negative integer.
 inline std::size_t streaming_threshold() {
   const std::size_t forced = detail::forced_streaming_threshold.load(std::memory_order_relaxed);
   if (forced != detail::unresolved_threshold) return forced;
