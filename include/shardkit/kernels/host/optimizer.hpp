@@ -59,6 +59,33 @@ struct fused_step_kernel {
     }
   }
 
+  //! The whole vector at i: loads, update, stores of the parameters and the state; returns
+  //! the new parameters (for the working copy).
+  template <class Isa>
+  SHARDKIT_FORCEINLINE static simd::vf<Isa::width> update_whole(const typename Opt::constants& k,
+                                                                float* p, float* const* state,
+                                                                const G* g, std::size_t i) {
+    using V = simd::vf<Isa::width>;
+    V pv = simd::load<Isa>(p + i);
+    V sv[S > 0 ? S : 1];
+    for (std::size_t s = 0; s < S; ++s) sv[s] = simd::load<Isa>(state[s] + i);
+    Opt::update(pv, sv, simd::load<Isa>(g + i), k);
+    simd::store<Isa>(p + i, pv);
+    for (std::size_t s = 0; s < S; ++s) simd::store<Isa>(state[s] + i, sv[s]);
+    return pv;
+  }
+
+  //! Vectors i and i + L, whole: the working copy of both is written by one simd::store2 (the
+  //! AVX2 build rounds both to bf16 with one NaN test and one pack).
+  template <class Isa>
+  SHARDKIT_FORCEINLINE static void two(const typename Opt::constants& k, float* p,
+                                       float* const* state, const G* g, W* out, std::size_t i) {
+    constexpr std::size_t L = Isa::width;
+    const auto a = update_whole<Isa>(k, p, state, g, i);
+    const auto b = update_whole<Isa>(k, p, state, g, i + L);
+    if constexpr (WriteOut) simd::store2<Isa>(out + i, a, b);
+  }
+
   template <class Isa>
   SHARDKIT_FORCEINLINE static void run(const typename Opt::constants* k, float* p,
                                        float* const* state, const G* g, W* out, std::size_t n) {
@@ -71,6 +98,18 @@ struct fused_step_kernel {
     // While a stream has prefetch_distance elements left, each vector also asks for the line
     // that distance ahead in every stream it reads (parameters, state, gradients), and for the
     // working copy's line with intent to write.
+    if constexpr (L == 8) {
+      // AVX2: two vectors (one 64-byte line of each fp32 stream) per prefetch
+      if (n > prefetch_distance) {
+        for (; i + 2 * L <= n - prefetch_distance; i += 2 * L) {
+          const std::size_t a = i + prefetch_distance;
+          simd::prefetch_at(a, p, g);
+          for (std::size_t s = 0; s < S; ++s) simd::prefetch_at(a, st[s]);
+          if constexpr (WriteOut) simd::prefetch_for_write(out + a);
+          two<Isa>(kk, p, st, g, out, i);
+        }
+      }
+    }
     if (n > prefetch_distance) {
       for (; i + L <= n - prefetch_distance; i += L) {
         const std::size_t a = i + prefetch_distance;
