@@ -35,30 +35,6 @@ template <class Opt, class G, class W, bool WriteOut>
 struct fused_step_kernel {
   static constexpr std::size_t S = Opt::state_count;
 
-  template <class Isa>
-  SHARDKIT_FORCEINLINE static void one(const typename Opt::constants& k, float* p,
-                                       float* const* state, const G* g, W* out, std::size_t i,
-                                       std::size_t n) {
-    using V = simd::vf<Isa::width>;
-    const bool full = n == Isa::width;
-    V pv = full ? simd::load<Isa>(p + i) : simd::load_partial<Isa>(p + i, n);
-    V sv[S > 0 ? S : 1];
-    for (std::size_t s = 0; s < S; ++s) {
-      sv[s] = full ? simd::load<Isa>(state[s] + i) : simd::load_partial<Isa>(state[s] + i, n);
-    }
-    const V gv = full ? simd::load<Isa>(g + i) : simd::load_partial<Isa>(g + i, n);
-    Opt::update(pv, sv, gv, k);
-    if (full) {
-      simd::store<Isa>(p + i, pv);
-      for (std::size_t s = 0; s < S; ++s) simd::store<Isa>(state[s] + i, sv[s]);
-      if constexpr (WriteOut) simd::store<Isa>(out + i, pv);
-    } else {
-      simd::store_partial<Isa>(p + i, pv, n);
-      for (std::size_t s = 0; s < S; ++s) simd::store_partial<Isa>(state[s] + i, sv[s], n);
-      if constexpr (WriteOut) simd::store_partial<Isa>(out + i, pv, n);
-    }
-  }
-
   //! The whole vector at i: loads, update, stores of the parameters and the state; returns
   //! the new parameters (for the working copy).
   template <class Isa>
@@ -73,6 +49,25 @@ struct fused_step_kernel {
     simd::store<Isa>(p + i, pv);
     for (std::size_t s = 0; s < S; ++s) simd::store<Isa>(state[s] + i, sv[s]);
     return pv;
+  }
+
+  template <class Isa>
+  SHARDKIT_FORCEINLINE static void one(const typename Opt::constants& k, float* p,
+                                       float* const* state, const G* g, W* out, std::size_t i,
+                                       std::size_t n) {
+    using V = simd::vf<Isa::width>;
+    if (n == Isa::width) {
+      const V pv = update_whole<Isa>(k, p, state, g, i);
+      if constexpr (WriteOut) simd::store<Isa>(out + i, pv);
+      return;
+    }
+    V pv = simd::load_partial<Isa>(p + i, n);
+    V sv[S > 0 ? S : 1];
+    for (std::size_t s = 0; s < S; ++s) sv[s] = simd::load_partial<Isa>(state[s] + i, n);
+    Opt::update(pv, sv, simd::load_partial<Isa>(g + i, n), k);
+    simd::store_partial<Isa>(p + i, pv, n);
+    for (std::size_t s = 0; s < S; ++s) simd::store_partial<Isa>(state[s] + i, sv[s], n);
+    if constexpr (WriteOut) simd::store_partial<Isa>(out + i, pv, n);
   }
 
   //! Vectors i and i + L, whole: the working copy of both is written by one simd::store2 (the

@@ -93,12 +93,8 @@ SHARDKIT_DETAIL_SIMD_FN vu<W> nan_bits(vu<W> u) {
 //! are not NaN (a NaN lane may carry into its neighbour's bits: bf16_round_int handles them).
 template <int W>
 SHARDKIT_DETAIL_SIMD_FN vu<W> bf16_round_finite(vu<W> u) {
-  if constexpr (W == 1) {
-    return (u + ((u >> 16) & 1u) + 0x7fffu) >> 16;
-  } else {
-    const vu<W> odd = (u & 0x10000u) == 0x10000u;  // all ones where the kept bit is odd
-    return (u + 0x7fffu - odd) >> 16;
-  }
+  const vu<W> odd = (u & 0x10000u) == 0x10000u;  // all ones where the kept bit is odd
+  return (u + 0x7fffu - odd) >> 16;              // + 0x7fff, + 1 more where odd
 }
 
 //! float -> bf16 bits (low 16 bits of each lane), as float_to_bf16_bits, with integer ops.
