@@ -8,6 +8,7 @@
 //   shardkit_peer_team_free(team);  shardkit_peer_isa()
 //   shardkit_peer_stream_fp32(team, p, m, v, g, n)   the roofline: the fp32 step's bytes (read
 //                                                     p, m, v, g; write p, m, v), one add each
+//                                                     (v += g * g)
 //   own = shardkit_peer_own_new(p0, g0, n)     fp32 p, m, v, g in shardkit's own host buffers
 //   shardkit_peer_own_adamw_fp32(team, own, step, lr, ...); shardkit_peer_own_free(own)
 //                                 (what a shardkit engine steps: core/memory.hpp's allocations,
@@ -39,7 +40,9 @@ shardkit::host::executor* exec(void* team) {
 }
 
 // The roofline of the fp32 step: the same loads and stores through the same dispatch, one add
-// per array instead of AdamW's arithmetic.
+// per array instead of AdamW's arithmetic (a multiply-add for v, which so stays non-negative:
+// peers.py runs this pass on the tensors the AdamW contenders also step, whose square root of v
+// must stay finite).
 struct stream_kernel {
   template <class Isa>
   SHARDKIT_FORCEINLINE static void run(float* p, float* m, float* v, const float* g,
@@ -47,20 +50,28 @@ struct stream_kernel {
     namespace simd = shardkit::simd;
     constexpr std::size_t L = Isa::width;
     std::size_t i = 0;
-    for (; i + L <= n; i += L) {
+    // Two vectors at a time, stored stream by stream, as the fused step does (its loads and
+    // stores in the same order: kernels/host/optimizer.hpp).
+    for (; i + 2 * L <= n; i += 2 * L) {
       // The step's software prefetch (host::prefetch_distance): the roofline stays the fastest
       // pass over these bytes.
       const std::size_t a = i + shardkit::host::prefetch_distance;
       if (a < n) simd::prefetch_at(a, g, p, m, v);
-      const auto gv = simd::load<Isa>(g + i);
-      simd::store<Isa>(p + i, simd::load<Isa>(p + i) + gv);
-      simd::store<Isa>(m + i, simd::load<Isa>(m + i) + gv);
-      simd::store<Isa>(v + i, simd::load<Isa>(v + i) + gv);
+      const auto ga = simd::load<Isa>(g + i), gb = simd::load<Isa>(g + i + L);
+      const auto pa = simd::load<Isa>(p + i) + ga, pb = simd::load<Isa>(p + i + L) + gb;
+      const auto ma = simd::load<Isa>(m + i) + ga, mb = simd::load<Isa>(m + i + L) + gb;
+      const auto va = simd::load<Isa>(v + i) + ga * ga, vb = simd::load<Isa>(v + i + L) + gb * gb;
+      simd::store<Isa>(v + i, va);
+      simd::store<Isa>(v + i + L, vb);
+      simd::store<Isa>(m + i, ma);
+      simd::store<Isa>(m + i + L, mb);
+      simd::store<Isa>(p + i, pa);
+      simd::store<Isa>(p + i + L, pb);
     }
     for (; i < n; ++i) {
       p[i] += g[i];
       m[i] += g[i];
-      v[i] += g[i];
+      v[i] += g[i] * g[i];
     }
   }
 };

@@ -70,15 +70,35 @@ struct fused_step_kernel {
     if constexpr (WriteOut) simd::store_partial<Isa>(out + i, pv, n);
   }
 
-  //! Vectors i and i + L, whole: the working copy of both is written by one simd::store2 (the
-  //! AVX2 build rounds both to bf16 with one NaN test and one pack).
+  //! Vectors i and i + L, whole (one 64-byte line of each fp32 stream in the AVX2 build). Both
+  //! are updated before anything is stored, and the stores go stream by stream, a whole line
+  //! each (the state, last first, then the parameters). Stores that alternate between the
+  //! streams every 32 bytes ran 1.2-1.8x slower on an AMD EPYC when the arrays lay 64 or 128 MiB
+  //! (+ 4 KiB) apart, as malloc places 16Mi- or 32Mi-float arrays allocated one after another;
+  //! at other distances the two orders are as fast (benchmarks/README.md). The working copy of
+  //! both vectors is written by one simd::store2 (one NaN test and one pack for bf16).
   template <class Isa>
   SHARDKIT_FORCEINLINE static void two(const typename Opt::constants& k, float* p,
                                        float* const* state, const G* g, W* out, std::size_t i) {
+    using V = simd::vf<Isa::width>;
     constexpr std::size_t L = Isa::width;
-    const auto a = update_whole<Isa>(k, p, state, g, i);
-    const auto b = update_whole<Isa>(k, p, state, g, i + L);
-    if constexpr (WriteOut) simd::store2<Isa>(out + i, a, b);
+    V pa = simd::load<Isa>(p + i);
+    V pb = simd::load<Isa>(p + i + L);
+    V sa[S > 0 ? S : 1];
+    V sb[S > 0 ? S : 1];
+    for (std::size_t s = 0; s < S; ++s) {
+      sa[s] = simd::load<Isa>(state[s] + i);
+      sb[s] = simd::load<Isa>(state[s] + i + L);
+    }
+    Opt::update(pa, sa, simd::load<Isa>(g + i), k);
+    Opt::update(pb, sb, simd::load<Isa>(g + i + L), k);
+    for (std::size_t s = S; s-- > 0;) {
+      simd::store<Isa>(state[s] + i, sa[s]);
+      simd::store<Isa>(state[s] + i + L, sb[s]);
+    }
+    simd::store<Isa>(p + i, pa);
+    simd::store<Isa>(p + i + L, pb);
+    if constexpr (WriteOut) simd::store2<Isa>(out + i, pa, pb);
   }
 
   template <class Isa>
