@@ -22,6 +22,15 @@ Contenders (AdamW, lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.01):
   deepspeed_bf16       DeepSpeed's own 16-bit mode: bf16 params and grads, fp32 moments, no fp32
                        master (22 bytes/element; a weaker algorithm, listed for completeness)
 
+The contenders above each step tensors of their own, so where the allocator happened to put
+them (relative to each other, to the page and cache-set boundaries) is part of their time. The
+"_same" contenders take that out: they step one shared set of fp32 tensors p, m, v, g that torch
+allocated once per size, in turn (torch's and DeepSpeed's optimizer state is pointed at the
+shared m and v):
+  shardkit_fp32_same, stream_fp32_same, torch_fused_same, deepspeed_fp32_same
+Their same-run ratios compare the steps alone. (The values drift as four optimizers and the
+roofline pass take turns on them; every one stays finite, which is all their speed depends on.)
+
 --huge-pages sets THP_MEM_ALLOC_ENABLE=1 before torch loads, so that torch's own tensors (those
 of every contender but shardkit_fp32_own) sit on transparent huge pages; the default leaves
 torch's allocator as it ships (4 KiB pages). meta.anon_huge_kib says how much memory the process
@@ -159,6 +168,43 @@ def main():
                                              eps, wd)
             return step
 
+        # One set of tensors that every "_same" contender steps (see the docstring).
+        same = {"p": p0.clone(), "g": g0.clone(), "m": torch.zeros(n), "v": torch.zeros(n)}
+
+        def shardkit_fp32_same():
+            t = [0]
+
+            def step():
+                t[0] += 1
+                lib.shardkit_peer_adamw_fp32(team, same["p"].data_ptr(), same["m"].data_ptr(),
+                                             same["v"].data_ptr(), same["g"].data_ptr(), n, t[0],
+                                             lr, b1, b2, eps, wd)
+            return step
+
+        def stream_fp32_same():
+            def step():
+                lib.shardkit_peer_stream_fp32(team, same["p"].data_ptr(), same["m"].data_ptr(),
+                                              same["v"].data_ptr(), same["g"].data_ptr(), n)
+            return step
+
+        def torch_fused_same():
+            prm = torch.nn.Parameter(same["p"])  # shares the storage
+            prm.grad = same["g"]
+            opt = torch.optim.AdamW([prm], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd,
+                                    fused=True)
+            opt.step()  # creates the state, which then points at the shared moments
+            st = opt.state[prm]
+            st["exp_avg"], st["exp_avg_sq"] = same["m"], same["v"]
+            assert prm.data_ptr() == same["p"].data_ptr()
+            return opt.step
+
+        def deepspeed_fp32_same():
+            prm = torch.nn.Parameter(same["p"])
+            prm.grad = same["g"]
+            opt = ds([prm], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, adamw_mode=True)
+            opt.state[prm].update(step=0, exp_avg=same["m"], exp_avg_sq=same["v"])
+            return opt.step
+
         def torch_adamw(**kw):
             def make():
                 prm = torch.nn.Parameter(p0.clone())
@@ -195,6 +241,11 @@ def main():
             contenders["deepspeed_fp32"] = deepspeed()
             contenders["deepspeed_fp32_copy"] = deepspeed(copy=True)
             contenders["deepspeed_bf16"] = deepspeed(dtype=torch.bfloat16)
+        contenders["shardkit_fp32_same"] = shardkit_fp32_same
+        contenders["stream_fp32_same"] = stream_fp32_same
+        contenders["torch_fused_same"] = torch_fused_same
+        if ds is not None:
+            contenders["deepspeed_fp32_same"] = deepspeed_fp32_same
         steps = {name: make() for name, make in contenders.items()}
         for s in steps.values():  # warm-up: first touch, lazy state, op loading
             s()
@@ -219,7 +270,10 @@ def main():
                             "seconds": sec,
                             "gelems": n / sec / 1e9, "reps": per_rep[name],
                             "cpu_seconds": statistics.median(per_rep_cpu[name])})
-        del steps, contenders
+        bad = [k for k, x in same.items() if not bool(torch.isfinite(x).all())]
+        if bad:  # the shared tensors' speed is only comparable while their values are finite
+            sys.exit(f"peers.py: the shared tensors {bad} hold non-finite values at n = {n}")
+        del steps, contenders, same
         for own in owned:
             lib.shardkit_peer_own_free(own)
 

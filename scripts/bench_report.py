@@ -509,14 +509,22 @@ def engine_mpi(path, out, plt, targets):
 
 # ---- peers: torch and DeepSpeed in the same process (benchmarks/peers.py) --------------------
 PEER_TARGETS = (  # (ours, theirs, floor, label); floor None: reported, not a target
-    ("shardkit_fp32", "deepspeed_fp32", 1.05, "fp32 AdamW step ≥ 1.05× DeepSpeed's CPU Adam"),
-    ("shardkit_fp32", "torch_fused", 1.05, "fp32 AdamW step ≥ 1.05× torch's fused AdamW"),
+    ("shardkit_fp32_same", "deepspeed_fp32_same", 1.05,
+     "fp32 AdamW step ≥ 1.05× DeepSpeed's CPU Adam, on the same tensors"),
+    ("shardkit_fp32_same", "torch_fused_same", 1.05,
+     "fp32 AdamW step ≥ 1.05× torch's fused AdamW, on the same tensors"),
+    ("shardkit_fp32", "deepspeed_fp32", 1.05,
+     "fp32 AdamW step ≥ 1.05× DeepSpeed's CPU Adam, each on tensors of its own"),
+    ("shardkit_fp32", "torch_fused", 1.05,
+     "fp32 AdamW step ≥ 1.05× torch's fused AdamW, each on tensors of its own"),
     ("shardkit_fp32", "torch_forloop", 4.0, "fp32 AdamW step ≥ 4× torch's for-loop AdamW"),
     ("shardkit_bf16", "deepspeed_fp32_copy", 1.0,
      "mixed-precision step ≥ 1.0× DeepSpeed's CPU Adam with the 16-bit copy"),
     ("shardkit_fp32_own", "torch_fused", None, ""),
     ("shardkit_fp32", "stream_fp32", None, ""),
     ("torch_fused", "stream_fp32", None, ""),
+    ("shardkit_fp32_same", "stream_fp32_same", None, ""),
+    ("torch_fused_same", "stream_fp32_same", None, ""),
 )
 
 
@@ -558,8 +566,10 @@ def peers(paths, out, plt, targets):
           "`THP_MEM_ALLOC_ENABLE=1`), tensors allocated by torch except shardkit_fp32_own's "
           "(shardkit's own buffers, always on huge pages), contenders interleaved; median over "
           f"{meta.get('reps')} repetitions of each repetition's median of {meta.get('steps')} "
-          "steps. Giga-elements per second (AdamW; stream_fp32 is the roofline, the same bytes "
-          "with one add per array):", "",
+          "steps. Each contender steps tensors of its own, except the `_same` ones, which take "
+          "turns on one shared set, so that where the tensors lie is the same for all of them. "
+          "Giga-elements per second (AdamW; stream_fp32 is the roofline, the same bytes with "
+          "one add per array):", "",
           "| elements | threads | pages | " + " | ".join(names) + " |",
           "|---:|---:|---|" + "---:|" * len(names)]
     for n, t, pg in rows:
