@@ -16,6 +16,10 @@
 //  optimizer/isa_adamw_bf16/isa:<build>, isa_adamw_fp32, isa_rmw
 //                         the same step and roofline in every build of the host loops this CPU
 //                         runs (kernels/host/isa.hpp), one size, one thread
+//  optimizer/placement_adamw_fp32/arrays:malloc, arrays:staggered
+//                         the fp32 step, one thread, on four arrays from std::malloc (large
+//                         blocks: glibc maps them back to back, n * 4 + 4 KiB apart, as a user's
+//                         tensors are; counter distance_kib), and on the arena's staggered ones
 //
 // bytes_per_second counts 28 bytes per element for every run, so ratios of bandwidths are
 // inverse ratios of times. Each size runs on 1 and 2 threads: a persistent host::thread_team
@@ -36,9 +40,12 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <new>
 #include <optional>
 #include <string>
 
@@ -257,6 +264,55 @@ void bm_torch(benchmark::State& state, std::size_t n, int threads) {
 }
 #endif
 
+//! Four fp32 arrays of n elements, each from std::malloc, as a framework's own tensors are.
+struct malloc_arrays {
+  float* a[4] = {};
+  explicit malloc_arrays(std::size_t n) {
+    for (auto*& x : a) {
+      x = static_cast<float*>(std::malloc(n * sizeof(float)));
+      if (x == nullptr) throw std::bad_alloc();
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      a[0][i] = 0.5f - static_cast<float>(i % 1000) * 1e-3f;
+      a[1][i] = 0.0f;
+      a[2][i] = 0.0f;
+      a[3][i] = 1e-3f * (static_cast<float>(i % 77) - 38.0f);
+    }
+  }
+  malloc_arrays(const malloc_arrays&) = delete;
+  malloc_arrays& operator=(const malloc_arrays&) = delete;
+  ~malloc_arrays() {
+    for (auto* x : a) std::free(x);
+  }
+};
+
+// The fp32 step where the arrays lie as malloc put them, or staggered (the arena's).
+void bm_placement(benchmark::State& state, bool from_malloc, std::size_t n) {
+  std::optional<malloc_arrays> own;
+  float *p, *m, *v, *g;
+  if (from_malloc) {
+    own.emplace(n);
+    p = own->a[0], m = own->a[1], v = own->a[2], g = own->a[3];
+  } else {
+    arena& a = the_arena();
+    a.resize(n);
+    a.reset();
+    p = a.p, m = a.m, v = a.v, g = a.g32;
+  }
+  float* st[2] = {m, v};
+  for (auto _ : state) {
+    shardkit::host::fused_step<shardkit::adamw, float, float>(constants(), p, st, g, nullptr, n);
+    benchmark::ClobberMemory();
+  }
+  const auto dist = [](const float* x, const float* y) {
+    const auto a = reinterpret_cast<std::uintptr_t>(x), b = reinterpret_cast<std::uintptr_t>(y);
+    return static_cast<double>(a > b ? a - b : b - a) / 1024.0;
+  };
+  bench::set_bytes(state, bytes_per_element * static_cast<double>(n));
+  state.counters["elements"] = static_cast<double>(n);
+  state.counters["distance_kib"] = dist(p, m);  // between the first two arrays
+}
+
 // One variant in one build of the host loops.
 void bm_isa(benchmark::State& state, variant which, shardkit::host::isa isa, std::size_t n) {
   shardkit::host::scoped_isa forced(isa);
@@ -288,6 +344,17 @@ void register_all(bench::size_set s) {
 #if defined(SHARDKIT_BENCH_LIBTORCH)
       reg(std::string("optimizer/torch_adamw_fp32") + tail, bm_torch, n, threads);
 #endif
+    }
+  }
+  const auto placement_sizes = s == bench::size_set::tiny ? std::vector<std::size_t>{1 << 12}
+                               : s == bench::size_set::quick
+                                   ? std::vector<std::size_t>{1 << 20}
+                                   : std::vector<std::size_t>{16 << 20, 32 << 20};
+  for (std::size_t n : placement_sizes) {
+    for (bool from_malloc : {true, false}) {
+      reg(std::string("optimizer/placement_adamw_fp32/arrays:") +
+              (from_malloc ? "malloc" : "staggered") + "/n:" + std::to_string(n) + "/threads:1",
+          bm_placement, from_malloc, n);
     }
   }
   const std::size_t isa_n = s == bench::size_set::tiny    ? (1 << 12)

@@ -283,6 +283,60 @@ TEST_CASE("an element's result does not depend on its position in the run",
   });
 }
 
+//! The parameters (and each other array) at every float offset within a cache line, past the
+//! prefetch distance: the first elements, up to the parameters' next line, take the
+//! partial-vector code; every bit equals the scalar reference.
+template <class G>
+void check_fused_step_offsets() {
+  const std::size_t n = 2 * host::prefetch_distance + 21;
+  const std::size_t lane = 64 / sizeof(float);
+  const auto k = adamw::prepare({.lr = 1e-3f, .weight_decay = 0.01f}, 2, 1e-3f, 0.5f);
+  for (std::size_t off = 0; off < lane; ++off) {
+    // storage with room for any offset; the other arrays sit at other offsets than p
+    std::vector<float> pb(n + 2 * lane), mb(n + 2 * lane), vb(n + 2 * lane);
+    std::vector<G> gb(n + 2 * lane);
+    std::vector<bf16> ob(n + 2 * lane), ob2(n + 2 * lane);
+    auto at = [&](auto& vec, std::size_t o) {
+      auto* base = vec.data();
+      const std::size_t mis = reinterpret_cast<std::uintptr_t>(base) % 64 / sizeof(*base);
+      return base + (lane - mis) % lane + o % lane;
+    };
+    float* p = at(pb, off);
+    float* m = at(mb, off + 3);
+    float* v = at(vb, off + 7);
+    G* g = at(gb, off + 5);
+    bf16* out = at(ob, off + 1);
+    REQUIRE(reinterpret_cast<std::uintptr_t>(p) % 64 == off * sizeof(float));
+    std::uint64_t s = 41 + off;
+    for (std::size_t i = 0; i < n; ++i) {
+      p[i] = random_float(s);
+      m[i] = random_float(s, 0.1f);
+      v[i] = std::fabs(random_float(s, 0.01f));
+      g[i] = G(random_float(s));
+    }
+    std::vector<float> p2(p, p + n), m2(m, m + n), v2(v, v + n);
+    std::vector<bf16> out2(n);
+    float* st[2] = {m, v};
+    float* st2[2] = {m2.data(), v2.data()};
+    host::fused_step<adamw, G, bf16>(k, p, st, g, out, n);
+    host::fused_step_scalar<adamw, G, bf16>(k, p2.data(), st2, g, out2.data(), n);
+    for (std::size_t i = 0; i < n; ++i) {
+      REQUIRE(std::bit_cast<std::uint32_t>(p[i]) == std::bit_cast<std::uint32_t>(p2[i]));
+      REQUIRE(std::bit_cast<std::uint32_t>(m[i]) == std::bit_cast<std::uint32_t>(m2[i]));
+      REQUIRE(std::bit_cast<std::uint32_t>(v[i]) == std::bit_cast<std::uint32_t>(v2[i]));
+      REQUIRE(pattern(out[i]) == pattern(out2[i]));
+    }
+  }
+}
+
+TEST_CASE("the fused step gives the same bits wherever its arrays start in a cache line",
+          "[kernels][optimizer]") {
+  in_every_build([] {
+    check_fused_step_offsets<float>();
+    check_fused_step_offsets<bf16>();
+  });
+}
+
 TEST_CASE("SGD with momentum is a pluggable optimizer policy", "[kernels][optimizer]") {
   const sgd_options o{.lr = 0.1f, .momentum = 0.9f, .weight_decay = 0.0f};
   std::vector<float> p{1.0f, -1.0f, 0.5f}, b(3);

@@ -13,7 +13,9 @@
 #include <shardkit/kernels/host/simd_storage.hpp>
 #include <shardkit/kernels/math.hpp>
 
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 
 SHARDKIT_NAMESPACE_BEGIN
@@ -110,6 +112,18 @@ struct fused_step_kernel {
         st[S > 0 ? S : 1];  // local copies: the stores cannot alias them, so they stay in registers
     for (std::size_t s = 0; s < S; ++s) st[s] = state[s];
     std::size_t i = 0;
+    // Where the parameters do not start on a cache line, the first elements up to the next one
+    // go through the partial-vector code (as every tail does: the same bits), so that the
+    // loop's vectors do not straddle lines. Arrays from malloc start 16 bytes into a line;
+    // there half the loads and stores of the loop straddled two.
+    if (n > prefetch_distance && L > 1) {
+      const std::size_t off = reinterpret_cast<std::uintptr_t>(p) % 64;
+      if (off % sizeof(float) == 0) {
+        const std::size_t head = (64 - off) % 64 / sizeof(float);
+        for (; i < head; i += L) one<Isa>(kk, p, st, g, out, i, std::min(L, head - i));
+        i = head;
+      }
+    }
     // While a stream has prefetch_distance elements left, each vector also asks for the line
     // that distance ahead in every stream it reads (parameters, state, gradients), and for the
     // working copy's line with intent to write.
