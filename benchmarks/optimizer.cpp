@@ -53,6 +53,16 @@ namespace {
 
 constexpr double bytes_per_element = 28.0;
 
+//! The fp32 starting state of every step: parameters, zero moments, gradients.
+void fill_fp32(float* p, float* m, float* v, float* g, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    p[i] = 0.5f - static_cast<float>(i % 1000) * 1e-3f;
+    m[i] = 0.0f;
+    v[i] = 0.0f;
+    g[i] = 1e-3f * (static_cast<float>(i % 77) - 38.0f);
+  }
+}
+
 //! One allocation, carved into the arrays of every variant: p, m, v, g32 (fp32), g16 and out
 //! (bf16), and 14 bytes per element of scratch: the naive loop's tmp (fp32), and the memcpy
 //! baseline's destination (it copies the first 14 bytes/element, p, m and part of v, there).
@@ -89,11 +99,8 @@ struct arena {
   //! The state every variant starts from: parameters, gradients, zero moments (each benchmark
   //! starts here, so that none runs on what the previous one left, rmw's sums or NaNs).
   void reset() {
+    fill_fp32(p, m, v, g32, n);
     for (std::size_t i = 0; i < n; ++i) {
-      p[i] = 0.5f - static_cast<float>(i % 1000) * 1e-3f;
-      m[i] = 0.0f;
-      v[i] = 0.0f;
-      g32[i] = 1e-3f * (static_cast<float>(i % 77) - 38.0f);
       g16[i] = shardkit::bf16(1e-3f * (static_cast<float>(i % 91) - 45.0f));
     }
   }
@@ -272,12 +279,7 @@ struct malloc_arrays {
       x = static_cast<float*>(std::malloc(n * sizeof(float)));
       if (x == nullptr) throw std::bad_alloc();
     }
-    for (std::size_t i = 0; i < n; ++i) {
-      a[0][i] = 0.5f - static_cast<float>(i % 1000) * 1e-3f;
-      a[1][i] = 0.0f;
-      a[2][i] = 0.0f;
-      a[3][i] = 1e-3f * (static_cast<float>(i % 77) - 38.0f);
-    }
+    fill_fp32(a[0], a[1], a[2], a[3], n);
   }
   malloc_arrays(const malloc_arrays&) = delete;
   malloc_arrays& operator=(const malloc_arrays&) = delete;

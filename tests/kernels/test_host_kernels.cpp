@@ -295,7 +295,7 @@ void check_fused_step_offsets() {
     // storage with room for any offset; the other arrays sit at other offsets than p
     std::vector<float> pb(n + 2 * lane), mb(n + 2 * lane), vb(n + 2 * lane);
     std::vector<G> gb(n + 2 * lane);
-    std::vector<bf16> ob(n + 2 * lane), ob2(n + 2 * lane);
+    std::vector<bf16> ob(n + 2 * lane);
     auto at = [&](auto& vec, std::size_t o) {
       auto* base = vec.data();
       const std::size_t mis = reinterpret_cast<std::uintptr_t>(base) % 64 / sizeof(*base);

@@ -117,12 +117,10 @@ struct fused_step_kernel {
     // loop's vectors do not straddle lines. Arrays from malloc start 16 bytes into a line;
     // there half the loads and stores of the loop straddled two.
     if (n > prefetch_distance && L > 1) {
-      const std::size_t off = reinterpret_cast<std::uintptr_t>(p) % 64;
-      if (off % sizeof(float) == 0) {
-        const std::size_t head = (64 - off) % 64 / sizeof(float);
-        for (; i < head; i += L) one<Isa>(kk, p, st, g, out, i, std::min(L, head - i));
-        i = head;
-      }
+      const std::size_t off = reinterpret_cast<std::uintptr_t>(p) % 64;  // a float's multiple
+      const std::size_t head = (64 - off) % 64 / sizeof(float);
+      for (; i < head; i += L) one<Isa>(kk, p, st, g, out, i, std::min(L, head - i));
+      i = head;
     }
     // While a stream has prefetch_distance elements left, each vector also asks for the line
     // that distance ahead in every stream it reads (parameters, state, gradients), and for the
