@@ -83,11 +83,12 @@ TEST_CASE("vector 16-bit conversions are bit-identical to the scalar ones", "[ke
     DYNAMIC_SECTION("every length, so every tail, converts correctly"
                     << " (" << host::name(host::active_isa()) << " build)") {
       std::uint64_t s = 3;
-      // Every short length, and every length around where the prefetching loop hands over to
-      // the plain one (host::convert_prefetch elements before the end).
+      // Every short length (past the loops that take four vectors at a time, then two, then
+      // one), and every length around where the prefetching loops hand over to the plain ones
+      // (host::convert_prefetch elements before the end).
       std::vector<std::size_t> lengths;
-      for (std::size_t n = 0; n < 3 * L + 2; ++n) lengths.push_back(n);
-      for (std::size_t n = 0; n < 3 * L + 2; ++n) lengths.push_back(host::convert_prefetch + n);
+      for (std::size_t n = 0; n < 5 * L + 2; ++n) lengths.push_back(n);
+      for (std::size_t n = 0; n < 5 * L + 2; ++n) lengths.push_back(host::convert_prefetch + n);
       for (const std::size_t n : lengths) {
         std::vector<float> f(n);
         for (auto& x : f) x = random_float(s, 100.0f);

@@ -332,18 +332,8 @@ SHARDKIT_DETAIL_SIMD_FN vf<Isa::width> store_rounded_partial(T* p, vf<Isa::width
 
 #if defined(SHARDKIT_DETAIL_HOST_ASM)
 namespace impl {
-//! Lanes where a or b holds a NaN, in integer arithmetic (no flag raised): the larger
-//! magnitude of the two (signed max of non-negative lanes) tested once.
-template <int W>
-SHARDKIT_DETAIL_SIMD_FN vu<W> nan_bits2(vu<W> a, vu<W> b) {
-  typedef std::int32_t I __attribute__((vector_size(sizeof(typename vu<W>::U))));
-  const I x = __builtin_bit_cast(I, (a & 0x7fffffffu).v);
-  const I y = __builtin_bit_cast(I, (b & 0x7fffffffu).v);
-  const I m = x > y ? x : y;
-  return SHARDKIT_DETAIL_SIMD_MASK(W, m > 0x7f800000);
-}
-//! Lanes where a or b is a NaN (VCMPUNORDPS, a quiet compare; for the F16C paths, whose
-//! conversions already raise the invalid flag on a signalling NaN).
+//! Lanes where a or b is a NaN (VCMPUNORDPS, a quiet compare: it raises the invalid flag for a
+//! signalling NaN only, and changes no value).
 template <int W>
 SHARDKIT_DETAIL_SIMD_FN vu<W> unordered(vf<W> a, vf<W> b) {
   vu<W> m;
@@ -370,22 +360,32 @@ SHARDKIT_DETAIL_SIMD_FN void load2(const T* p, vf<Isa::width>& a, vf<Isa::width>
   b = load<Isa>(p + W);
 }
 
+#if defined(SHARDKIT_DETAIL_HOST_ASM)
+namespace impl {
+//! Rounds two 8-lane vectors without NaN lanes to bf16 and stores them (a, then b): one pack
+//! of the two roundings. VPACKUSDW packs within 128-bit halves (a0-3 b0-3 a4-7 b4-7); VPERMQ
+//! puts them in order.
+SHARDKIT_DETAIL_SIMD_FN void store_bf16_finite2(bf16* p, vf<8> a, vf<8> b) {
+  typename storage<16>::h h;
+  __asm__("vpackusdw %2, %1, %0\n\tvpermq $0xd8, %0, %0"
+          : "=x"(h)
+          : "x"(bf16_round_finite(bits(a)).v), "x"(bf16_round_finite(bits(b)).v));
+  std::memcpy(p, &h, sizeof h);
+}
+}  // namespace impl
+#endif
+
 //! Stores two vectors (a, then b) to 2 * Isa::width elements of fp32/bf16/fp16 storage: the
-//! same bits as two store() calls. The AVX2 build rounds both to bf16 with one NaN test and
-//! one pack, and tests both fp16 conversions for NaN at once.
+//! same bits as two store() calls. The AVX2 build tests both for NaN with one compare
+//! (VCMPUNORDPS: a signalling NaN raises the invalid flag, as F16C's conversions do; no value
+//! changes) and rounds both to bf16 with one pack, or converts both to fp16.
 template <class Isa, class T>
 SHARDKIT_DETAIL_SIMD_FN void store2(T* p, vf<Isa::width> a, vf<Isa::width> b) {
   constexpr int W = Isa::width;
 #if defined(SHARDKIT_DETAIL_HOST_ASM)
   if constexpr (W == 8 && std::is_same_v<T, bf16>) {
-    const vu<W> ua = bits(a), ub = bits(b);
-    if (!any(impl::nan_bits2(ua, ub))) {
-      // VPACKUSDW packs within 128-bit halves (a0-3 b0-3 a4-7 b4-7); VPERMQ puts them in order
-      typename impl::storage<2 * W>::h h;
-      __asm__("vpackusdw %2, %1, %0\n\tvpermq $0xd8, %0, %0"
-              : "=x"(h)
-              : "x"(impl::bf16_round_finite(ua).v), "x"(impl::bf16_round_finite(ub).v));
-      std::memcpy(p, &h, sizeof h);
+    if (!any(impl::unordered(a, b))) {
+      impl::store_bf16_finite2(p, a, b);
       return;
     }
   } else if constexpr (W == 8 && Isa::f16c && std::is_same_v<T, fp16>) {
@@ -398,6 +398,27 @@ SHARDKIT_DETAIL_SIMD_FN void store2(T* p, vf<Isa::width> a, vf<Isa::width> b) {
 #endif
   store<Isa>(p, a);
   store<Isa>(p + W, b);
+}
+
+//! Stores four vectors (a, b, c, d) to 4 * Isa::width elements of fp32/bf16/fp16 storage: the
+//! same bits as four store() calls. The AVX2 build tests the four for bf16 NaN lanes at once
+//! (two compares and an OR per 32 elements, where the rounding itself takes ten instructions:
+//! the test was the bf16 casts' largest cost after it).
+template <class Isa, class T>
+SHARDKIT_DETAIL_SIMD_FN void store4(T* p, vf<Isa::width> a, vf<Isa::width> b, vf<Isa::width> c,
+                                    vf<Isa::width> d) {
+  constexpr int W = Isa::width;
+#if defined(SHARDKIT_DETAIL_HOST_ASM)
+  if constexpr (W == 8 && std::is_same_v<T, bf16>) {
+    if (!any(impl::unordered(a, b) | impl::unordered(c, d))) {
+      impl::store_bf16_finite2(p, a, b);
+      impl::store_bf16_finite2(p + 2 * W, c, d);
+      return;
+    }
+  }
+#endif
+  store2<Isa>(p, a, b);
+  store2<Isa>(p + 2 * W, c, d);
 }
 
 //! Whether the build `Isa` has streaming stores (store_stream): the AVX2 and AVX-512 builds
