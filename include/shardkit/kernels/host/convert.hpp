@@ -68,8 +68,9 @@ struct convert_kernel {
   //! whose NaN test (simd::store4) then serves 32 elements. Measured on an AMD EPYC (AVX2), 1Mi
   //! elements in the cache: 1.16x the pairs (benchmarks/README.md).
   template <class Isa>
-  static constexpr bool by_four =
-      Isa::width == 8 && std::is_same_v<S, float>&& std::is_same_v<D, bf16>;
+  static constexpr bool by_four() {
+    return Isa::width == 8 && std::is_same_v<S, float> && std::is_same_v<D, bf16>;
+  }
 
   //! Four vectors from element i, with a prefetch of each input line and the output line
   //! convert_prefetch elements ahead when `Prefetch`.
@@ -91,7 +92,7 @@ struct convert_kernel {
   SHARDKIT_FORCEINLINE static void run_cached(const S* in, D* out, std::size_t n) {
     constexpr std::size_t L = Isa::width;
     std::size_t i = 0;
-    if constexpr (by_four<Isa>) {
+    if constexpr (by_four<Isa>()) {
       if (n > convert_prefetch) {
         for (; i + 4 * L <= n - convert_prefetch; i += 4 * L) four<Isa, true>(in, out, i);
       }
