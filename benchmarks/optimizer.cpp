@@ -16,6 +16,9 @@
 //  optimizer/isa_adamw_bf16/isa:<build>, isa_adamw_fp32, isa_rmw
 //                         the same step and roofline in every build of the host loops this CPU
 //                         runs (kernels/host/isa.hpp), one size, one thread
+//  optimizer/prefetch_adamw_bf16/prefetch:on|off, prefetch_adamw_fp32, prefetch_rmw
+//                         the same with software prefetch on and off (kernels/host/prefetch.hpp:
+//                         off by default on AMD processors with AVX-512), one thread
 //  optimizer/placement_adamw_fp32/arrays:malloc, arrays:staggered
 //                         the fp32 step, one thread, on four arrays from std::malloc (large
 //                         blocks: glibc maps them back to back, n * 4 + 4 KiB apart, as a user's
@@ -29,6 +32,7 @@
 #include <shardkit/kernels/host/isa.hpp>
 #include <shardkit/kernels/host/optimizer.hpp>
 #include <shardkit/kernels/host/parallel.hpp>
+#include <shardkit/kernels/host/prefetch.hpp>
 #include <shardkit/kernels/host/simd_storage.hpp>
 #include <shardkit/kernels/math.hpp>
 
@@ -122,15 +126,16 @@ const shardkit::adamw::constants& constants() {
 struct rmw_kernel {
   template <class Isa>
   SHARDKIT_FORCEINLINE static void run(const shardkit::bf16* g, float* p, float* m, float* v,
-                                       shardkit::bf16* out, std::size_t n) {
+                                       shardkit::bf16* out, std::size_t n, bool prefetch) {
     namespace simd = shardkit::simd;
     constexpr std::size_t L = Isa::width;
     std::size_t i = 0;
     for (; i + L <= n; i += L) {
-      // The step's software prefetch (host::prefetch_distance), so that the roofline stays the
-      // fastest pass over these bytes. A prefetch past the end is a hint and never faults.
+      // The step's software prefetch (host::prefetch_distance, where host::software_prefetch()
+      // is on), so that the roofline stays the fastest pass over these bytes. A prefetch past
+      // the end is a hint and never faults.
       const std::size_t a = i + shardkit::host::prefetch_distance;
-      if (a < n) {
+      if (prefetch && a < n) {
         simd::prefetch_at(a, g, p, m, v);
         simd::prefetch_for_write(out + a);
       }
@@ -203,7 +208,8 @@ void run_part(variant which, arena& a, std::size_t b, std::size_t e) {
   switch (which) {
     case variant::rmw:
       shardkit::dispatch<rmw_kernel>(static_cast<const shardkit::bf16*>(a.g16 + b), a.p + b,
-                                     a.m + b, a.v + b, a.out + b, len);
+                                     a.m + b, a.v + b, a.out + b, len,
+                                     shardkit::host::software_prefetch());
       break;
     case variant::memcpy:
       std::memcpy(a.copy_dst + 14 * b, a.bytes.data() + 14 * b, 14 * len);
@@ -321,8 +327,16 @@ void bm_isa(benchmark::State& state, variant which, shardkit::host::isa isa, std
   bm_step(state, which, n, 1);
 }
 
+// One variant with software prefetch on or off (kernels/host/prefetch.hpp).
+void bm_prefetch(benchmark::State& state, variant which, bool on, std::size_t n) {
+  shardkit::host::scoped_prefetch forced(on);
+  bm_step(state, which, n, 1);
+}
+
 void register_all(bench::size_set s) {
   benchmark::AddCustomContext("shardkit_host_isa", shardkit::host_isa());
+  benchmark::AddCustomContext("shardkit_host_prefetch",
+                              shardkit::host::software_prefetch() ? "on" : "off");
   std::string isas;
   for (auto i : shardkit::host::available_isas()) {
     isas += std::string(isas.empty() ? "" : ",") + shardkit::host::name(i);
@@ -367,6 +381,16 @@ void register_all(bench::size_set s) {
       reg(std::string("optimizer/isa_") + name_of(v) + "/isa:" + shardkit::host::name(i) +
               "/n:" + std::to_string(isa_n) + "/threads:1",
           bm_isa, v, i, isa_n);
+    }
+  }
+  for (std::size_t n : s == bench::size_set::full ? std::vector<std::size_t>{16 << 20, 64 << 20}
+                                                  : std::vector<std::size_t>{isa_n}) {
+    for (variant v : {variant::adamw_bf16, variant::adamw_fp32, variant::rmw}) {
+      for (bool on : {true, false}) {
+        reg(std::string("optimizer/prefetch_") + name_of(v) + "/prefetch:" + (on ? "on" : "off") +
+                "/n:" + std::to_string(n) + "/threads:1",
+            bm_prefetch, v, on, n);
+      }
     }
   }
 }

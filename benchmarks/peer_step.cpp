@@ -5,7 +5,7 @@
 //   team = shardkit_peer_team(threads)          a persistent host::thread_team (or none for 1)
 //   shardkit_peer_adamw_fp32(team, p, m, v, g, n, step, lr, beta1, beta2, eps, weight_decay)
 //   shardkit_peer_adamw_bf16(team, master, m, v, g_bf16, out_bf16, n, step, ...)
-//   shardkit_peer_team_free(team);  shardkit_peer_isa()
+//   shardkit_peer_team_free(team);  shardkit_peer_isa()  shardkit_peer_prefetch() (1: on)
 //   shardkit_peer_stream_fp32(team, p, m, v, g, n)   the roofline: the fp32 step's bytes (read
 //                                                     p, m, v, g; write p, m, v), one add each
 //                                                     (v += g * g)
@@ -21,6 +21,7 @@
 #include <shardkit/kernels/host/isa.hpp>
 #include <shardkit/kernels/host/optimizer.hpp>
 #include <shardkit/kernels/host/parallel.hpp>
+#include <shardkit/kernels/host/prefetch.hpp>
 #include <shardkit/kernels/math.hpp>
 
 #include <cstddef>
@@ -45,18 +46,18 @@ shardkit::host::executor* exec(void* team) {
 // must stay finite).
 struct stream_kernel {
   template <class Isa>
-  SHARDKIT_FORCEINLINE static void run(float* p, float* m, float* v, const float* g,
-                                       std::size_t n) {
+  SHARDKIT_FORCEINLINE static void run(float* p, float* m, float* v, const float* g, std::size_t n,
+                                       bool prefetch) {
     namespace simd = shardkit::simd;
     constexpr std::size_t L = Isa::width;
     std::size_t i = 0;
     // Two vectors at a time, stored stream by stream, as the fused step does (its loads and
     // stores in the same order: kernels/host/optimizer.hpp).
     for (; i + 2 * L <= n; i += 2 * L) {
-      // The step's software prefetch (host::prefetch_distance): the roofline stays the fastest
-      // pass over these bytes.
+      // The step's software prefetch (host::prefetch_distance, where host::software_prefetch()
+      // is on): the roofline stays the fastest pass over these bytes.
       const std::size_t a = i + shardkit::host::prefetch_distance;
-      if (a < n) simd::prefetch_at(a, g, p, m, v);
+      if (prefetch && a < n) simd::prefetch_at(a, g, p, m, v);
       const auto ga = simd::load<Isa>(g + i), gb = simd::load<Isa>(g + i + L);
       const auto pa = simd::load<Isa>(p + i) + ga, pb = simd::load<Isa>(p + i + L) + gb;
       const auto ma = simd::load<Isa>(m + i) + ga, mb = simd::load<Isa>(m + i + L) + gb;
@@ -105,6 +106,10 @@ __attribute__((visibility("default"))) const char* shardkit_peer_isa() {
   return shardkit::host_isa();
 }
 
+__attribute__((visibility("default"))) int shardkit_peer_prefetch() {
+  return shardkit::host::software_prefetch() ? 1 : 0;
+}
+
 __attribute__((visibility("default"))) void shardkit_peer_adamw_fp32(
     void* team, float* p, float* m, float* v, const float* g, std::size_t n, std::uint64_t step,
     float lr, float beta1, float beta2, float eps, float weight_decay) {
@@ -117,9 +122,10 @@ __attribute__((visibility("default"))) void shardkit_peer_stream_fp32(void* team
                                                                       float* m, float* v,
                                                                       const float* g,
                                                                       std::size_t n) {
+  const bool prefetch = shardkit::host::software_prefetch();
   shardkit::host::parallel_for(
       exec(team), n, shardkit::host::step_grain, [&](std::size_t b, std::size_t e) {
-        shardkit::dispatch<stream_kernel>(p + b, m + b, v + b, g + b, e - b);
+        shardkit::dispatch<stream_kernel>(p + b, m + b, v + b, g + b, e - b, prefetch);
       });
 }
 

@@ -90,6 +90,7 @@ def main():
     lib.shardkit_peer_team.argtypes = [ctypes.c_int]
     lib.shardkit_peer_team_free.argtypes = [ctypes.c_void_p]
     lib.shardkit_peer_isa.restype = ctypes.c_char_p
+    lib.shardkit_peer_prefetch.restype = ctypes.c_int
     f = ctypes.c_float
     ptr = ctypes.c_void_p
     lib.shardkit_peer_adamw_fp32.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_size_t,
@@ -280,6 +281,7 @@ def main():
     lib.shardkit_peer_team_free(team)
     doc = {"meta": {"torch": torch.__version__, "deepspeed": ds_version,
                     "shardkit_isa": lib.shardkit_peer_isa().decode(),
+                    "shardkit_prefetch": "on" if lib.shardkit_peer_prefetch() else "off",
                     "python": platform.python_version(), "threads": args.threads,
                     "reps": args.reps, "steps": args.steps, "pages": pages,
                     "anon_huge_kib": anon_huge},

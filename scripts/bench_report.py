@@ -560,7 +560,8 @@ def peers(paths, out, plt, targets):
             names.append(r["name"])
     md = ["### Peers: torch and DeepSpeed, same process", "",
           f"`scripts/bench --peers`: torch {meta.get('torch')}, DeepSpeed "
-          f"{meta.get('deepspeed')}, shardkit's {meta.get('shardkit_isa')} build; one Python "
+          f"{meta.get('deepspeed')}, shardkit's {meta.get('shardkit_isa')} build (software "
+          f"prefetch {meta.get('shardkit_prefetch', 'on')}); one Python "
           "process per thread count and page size (`torch.set_num_threads`, `OMP_NUM_THREADS`; "
           "pages: torch's allocator as shipped, 4 KiB, or on transparent huge pages with "
           "`THP_MEM_ALLOC_ENABLE=1`), tensors allocated by torch except shardkit_fp32_own's "
@@ -712,7 +713,8 @@ def main():
     if context:
         md += [f"Google Benchmark context: {context.get('num_cpus')} CPUs at "
                f"{context.get('mhz_per_cpu')} MHz, host ISA of shardkit's loops: "
-               f"{context.get('shardkit_host_isa', 'see optimizer.json')}, library build "
+               f"{context.get('shardkit_host_isa', 'see optimizer.json')} (software prefetch "
+               f"{context.get('shardkit_host_prefetch', 'on')}), library build "
                f"{context.get('library_build_type')}.", ""]
     md += ["### Targets", "", "| target | measured | met |", "|---|---|:---:|"]
     for name, got, ok in targets:

@@ -20,6 +20,7 @@
 #include <shardkit/kernels/host/convert.hpp>
 #include <shardkit/kernels/host/dispatch.hpp>
 #include <shardkit/kernels/host/optimizer.hpp>
+#include <shardkit/kernels/host/prefetch.hpp>
 #include <shardkit/kernels/host/reduce.hpp>
 #include <shardkit/kernels/host/simd.hpp>
 #include <shardkit/kernels/host/simd_storage.hpp>

@@ -1,9 +1,10 @@
 // What the host-kernel tests share: a seeded random source, the bit pattern of a stored value,
-// running a check in every build of the host loops, and setting an environment variable for a
-// scope.
+// running a check in every build of the host loops (with software prefetch on and off), and
+// setting an environment variable for a scope.
 #pragma once
 
 #include <shardkit/kernels/host/isa.hpp>
+#include <shardkit/kernels/host/prefetch.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -37,16 +38,28 @@ std::uint32_t pattern(T x) {
     return x.bits;
 }
 
-//! Runs f() once in every build of the host loops this CPU runs. Sections inside f name the
-//! build (DYNAMIC_SECTION): a plain SECTION met again in a loop would run in the first build
-//! only.
+//! Runs f() in every build of the host loops this CPU runs, each with software prefetch on and
+//! off (kernels/host/prefetch.hpp: the loops take other paths without it). Sections inside f
+//! name the build (DYNAMIC_SECTION): a plain SECTION met again in a loop would run in the first
+//! build only.
 template <class F>
 void in_every_build(F&& f) {
   for (shardkit::host::isa i : shardkit::host::available_isas()) {
     shardkit::host::scoped_isa forced(i);
-    INFO("host loops: " << shardkit::host::name(i) << " build");
-    f();
+    for (bool prefetch : {true, false}) {
+      shardkit::host::scoped_prefetch p(prefetch);
+      INFO("host loops: " << shardkit::host::name(i) << " build, software prefetch "
+                          << (prefetch ? "on" : "off"));
+      f();
+    }
   }
+}
+
+//! The build of the host loops that runs and whether it prefetches, for section names:
+//! "avx2 build, software prefetch on".
+inline std::string build_name() {
+  return std::string(shardkit::host::name(shardkit::host::active_isa())) +
+         " build, software prefetch " + (shardkit::host::software_prefetch() ? "on" : "off");
 }
 
 //! Sets an environment variable for the scope (nullptr: unsets it), restoring the previous

@@ -31,7 +31,9 @@ TEST_CASE("host kernels report their build", "[kernels]") {
   const std::string isa = host_isa();
   std::string all;
   for (host::isa i : host::available_isas()) all += std::string(" ") + host::name(i);
-  WARN("host kernels run the " << isa << " build; this CPU runs:" << all);
+  WARN("host kernels run the " << isa << " build, software prefetch "
+                               << (host::software_prefetch() ? "on" : "off")
+                               << "; this CPU runs:" << all);
 #if defined(SHARDKIT_HOST_SCALAR_SIMD)
   REQUIRE(isa == "scalar");
 #else
@@ -45,7 +47,7 @@ TEST_CASE("host kernels report their build", "[kernels]") {
 TEST_CASE("vector 16-bit conversions are bit-identical to the scalar ones", "[kernels][convert]") {
   in_every_build([] {
     DYNAMIC_SECTION("every bf16 and fp16 pattern widens identically"
-                    << " (" << host::name(host::active_isa()) << " build)") {
+                    << " (" << build_name() << ")") {
       std::vector<bf16> b(65536);
       std::vector<fp16> h(65536);
       for (std::uint32_t i = 0; i < 65536; ++i) {
@@ -64,7 +66,7 @@ TEST_CASE("vector 16-bit conversions are bit-identical to the scalar ones", "[ke
     }
     DYNAMIC_SECTION(
         "random floats (including NaN payloads, infinities, subnormals) narrow identically"
-        << " (" << host::name(host::active_isa()) << " build)") {
+        << " (" << build_name() << ")") {
       std::uint64_t s = 7;
       std::vector<float> f(1 << 20);
       for (auto& x : f) x = std::bit_cast<float>(static_cast<std::uint32_t>(splitmix(s)));
@@ -81,7 +83,7 @@ TEST_CASE("vector 16-bit conversions are bit-identical to the scalar ones", "[ke
       }
     }
     DYNAMIC_SECTION("every length, so every tail, converts correctly"
-                    << " (" << host::name(host::active_isa()) << " build)") {
+                    << " (" << build_name() << ")") {
       std::uint64_t s = 3;
       // Every short length (past the loops that take four vectors at a time, then two, then
       // one), and every length around where the prefetching loops hand over to the plain ones
@@ -103,7 +105,7 @@ TEST_CASE("vector 16-bit conversions are bit-identical to the scalar ones", "[ke
       }
     }
     DYNAMIC_SECTION("bf16 <-> fp16 go through fp32 exactly"
-                    << " (" << host::name(host::active_isa()) << " build)") {
+                    << " (" << build_name() << ")") {
       std::vector<fp16> h(65536);
       for (std::uint32_t i = 0; i < 65536; ++i)
         h[i] = fp16::from_bits(static_cast<std::uint16_t>(i));

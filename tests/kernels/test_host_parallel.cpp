@@ -120,6 +120,48 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("SHARDKIT_HOST_PREFETCH turns software prefetch on and off, other values are errors",
+          "[kernels][prefetch]") {
+  const auto& cpu = host::detail::cpu();
+  SECTION("unset or empty: off on AMD processors with AVX-512, on elsewhere") {
+    const bool expected = !(cpu.amd && cpu.avx512);
+    scoped_env e("SHARDKIT_HOST_PREFETCH", nullptr);
+    REQUIRE(host::detail::software_prefetch_from_environment() == expected);
+    scoped_env empty("SHARDKIT_HOST_PREFETCH", "");
+    REQUIRE(host::detail::software_prefetch_from_environment() == expected);
+  }
+  SECTION("on and off") {
+    {
+      scoped_env e("SHARDKIT_HOST_PREFETCH", "on");
+      REQUIRE(host::detail::software_prefetch_from_environment());
+    }
+    scoped_env e("SHARDKIT_HOST_PREFETCH", "off");
+    REQUIRE_FALSE(host::detail::software_prefetch_from_environment());
+  }
+  SECTION("any other value is an error naming the accepted values, never a fallback") {
+    for (const char* bad : {"1", "yes", "ON", "on ", "auto"}) {
+      scoped_env e("SHARDKIT_HOST_PREFETCH", bad);
+      REQUIRE_THROWS_AS(host::detail::software_prefetch_from_environment(), invalid_argument);
+      REQUIRE_THROWS_WITH(
+          host::detail::software_prefetch_from_environment(),
+          Contains(std::string("SHARDKIT_HOST_PREFETCH=") + bad) && Contains("expected on or off"));
+    }
+  }
+  SECTION("scoped_prefetch sets it in-process, nests, and restores the previous setting") {
+    const bool before = host::software_prefetch();
+    {
+      host::scoped_prefetch off(false);
+      REQUIRE_FALSE(host::software_prefetch());
+      {
+        host::scoped_prefetch on(true);
+        REQUIRE(host::software_prefetch());
+      }
+      REQUIRE_FALSE(host::software_prefetch());
+    }
+    REQUIRE(host::software_prefetch() == before);
+  }
+}
+
 TEST_CASE("thread_team runs every task of a batch exactly once, again and again",
           "[kernels][parallel]") {
   for (std::size_t threads = 1; threads <= 4; ++threads) {

@@ -10,6 +10,7 @@
 #include <shardkit/core/error.hpp>
 #include <shardkit/kernels/host/dispatch.hpp>
 #include <shardkit/kernels/host/parallel.hpp>
+#include <shardkit/kernels/host/prefetch.hpp>
 #include <shardkit/kernels/host/simd_storage.hpp>
 #include <shardkit/kernels/host/streaming.hpp>
 
@@ -55,13 +56,17 @@ struct convert_kernel {
   }
 
   template <class Isa>
-  SHARDKIT_FORCEINLINE static void run(const S* in, D* out, std::size_t n, bool stream) {
+  SHARDKIT_FORCEINLINE static void run(const S* in, D* out, std::size_t n, bool stream,
+                                       bool prefetch) {
+    // Without software prefetch (host::software_prefetch()), the prefetching loops below see
+    // fewer than `ahead` elements left from the start and do not run.
+    const std::size_t ahead = prefetch ? convert_prefetch : n;
     if constexpr (simd::has_stream_stores<Isa>) {
       if (stream && reinterpret_cast<std::uintptr_t>(out) % sizeof(D) == 0) {
-        return run_streaming<Isa>(in, out, n);
+        return run_streaming<Isa>(in, out, n, ahead);
       }
     }
-    run_cached<Isa>(in, out, n);
+    run_cached<Isa>(in, out, n, ahead);
   }
 
   //! Whether run_cached takes four vectors at a time: the AVX2 build's fp32 -> bf16 cast,
@@ -89,19 +94,20 @@ struct convert_kernel {
   }
 
   template <class Isa>
-  SHARDKIT_FORCEINLINE static void run_cached(const S* in, D* out, std::size_t n) {
+  SHARDKIT_FORCEINLINE static void run_cached(const S* in, D* out, std::size_t n,
+                                              std::size_t ahead) {
     constexpr std::size_t L = Isa::width;
     std::size_t i = 0;
     if constexpr (by_four<Isa>()) {
-      if (n > convert_prefetch) {
-        for (; i + 4 * L <= n - convert_prefetch; i += 4 * L) four<Isa, true>(in, out, i);
+      if (n > ahead) {
+        for (; i + 4 * L <= n - ahead; i += 4 * L) four<Isa, true>(in, out, i);
       }
       for (; i + 4 * L <= n; i += 4 * L) four<Isa, false>(in, out, i);
     }
     // While convert_prefetch elements are left, each pair of vectors also asks for the input
     // line that far ahead, and for the output line with intent to write.
-    if (n > convert_prefetch) {
-      for (; i + 2 * L <= n - convert_prefetch; i += 2 * L) {
+    if (n > ahead) {
+      for (; i + 2 * L <= n - ahead; i += 2 * L) {
         simd::prefetch_at(i + convert_prefetch, in);
         simd::prefetch_for_write(out + i + convert_prefetch);
         two<Isa>(in, out, i);
@@ -116,19 +122,21 @@ struct convert_kernel {
   //! is aligned to its size, and the last ones, shorter than a vector, go through the
   //! partial-vector code (as every tail does); the whole vectors in between stream.
   template <class Isa>
-  SHARDKIT_FORCEINLINE static void run_streaming(const S* in, D* out, std::size_t n) {
+  SHARDKIT_FORCEINLINE static void run_streaming(const S* in, D* out, std::size_t n,
+                                                 std::size_t ahead) {
     constexpr std::size_t L = Isa::width;
     constexpr std::size_t vector_bytes = L * sizeof(D);
     const std::size_t misalign = reinterpret_cast<std::uintptr_t>(out) % vector_bytes;
     const std::size_t head = std::min(n, (vector_bytes - misalign) % vector_bytes / sizeof(D));
     tail<Isa>(in, out, 0, head);
     std::size_t i = head;
-    if (n - i > convert_prefetch) {
-      for (; i + 2 * L <= n - convert_prefetch; i += 2 * L) {
+    if (n - i > ahead) {
+      for (; i + 2 * L <= n - ahead; i += 2 * L) {
         simd::prefetch_at(i + convert_prefetch, in);
         two<Isa, true>(in, out, i);
       }
     }
+    for (; i + 2 * L <= n; i += 2 * L) two<Isa, true>(in, out, i);
     for (; i + L <= n; i += L) put<Isa, true>(out + i, simd::load<Isa>(in + i));
     tail<Isa>(in, out, i, n);
     simd::stream_fence();
@@ -172,7 +180,8 @@ void convert(const S* in, D* out, std::size_t n, stores how = stores::automatic)
       std::memcpy(out, in, n * sizeof(S));
     }
   } else {
-    dispatch<detail::convert_kernel<S, D>>(in, out, n, streams(how, n * (sizeof(S) + sizeof(D))));
+    dispatch<detail::convert_kernel<S, D>>(in, out, n, streams(how, n * (sizeof(S) + sizeof(D))),
+                                           software_prefetch());
   }
 }
 

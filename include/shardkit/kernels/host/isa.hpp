@@ -69,12 +69,15 @@ struct cpu_features {
   bool avx2 = false;    // AVX2 and F16C, with the OS saving ymm state
   bool avx512 = false;  // AVX-512 F, BW, VL, DQ, with the OS saving zmm and mask state
   bool avx512bf16 = false;
+  bool amd = false;  // the vendor string is "AuthenticAMD" (kernels/host/prefetch.hpp)
 };
 
 inline cpu_features detect_cpu() noexcept {
   cpu_features f;
 #if defined(SHARDKIT_DETAIL_HOST_X86)
   unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid(0, &a, &b, &c, &d) == 0) return f;
+  f.amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "Auth" "enti" "cAMD"
   if (__get_cpuid(1, &a, &b, &c, &d) == 0) return f;
   const bool osxsave = (c >> 27) & 1u, avx = (c >> 28) & 1u, f16c = (c >> 29) & 1u;
   if (!osxsave || !avx) return f;

@@ -10,6 +10,7 @@
 #include <shardkit/core/dtype.hpp>
 #include <shardkit/kernels/host/dispatch.hpp>
 #include <shardkit/kernels/host/parallel.hpp>
+#include <shardkit/kernels/host/prefetch.hpp>
 #include <shardkit/kernels/host/simd_storage.hpp>
 #include <shardkit/kernels/math.hpp>
 
@@ -29,7 +30,9 @@ namespace host {
 //! on 4 KiB pages and on 2 MiB pages; 1 KiB ahead 1.07-1.13x, 8 KiB 0.99-1.05x
 //! (benchmarks/README.md). The 16-bit working copy's line is prefetched with intent to write
 //! (its ordinary stores would otherwise wait for the line): the bf16 step went from 0.88x to
-//! 0.95-0.98x of the read-modify-write roofline on the same machine.
+//! 0.95-0.98x of the read-modify-write roofline on the same machine. Where
+//! host::software_prefetch() is off (AMD processors with AVX-512: there the step was faster
+//! without; kernels/host/prefetch.hpp), the step issues no prefetch.
 inline constexpr std::size_t prefetch_distance = 512;
 
 namespace detail {
@@ -105,7 +108,8 @@ struct fused_step_kernel {
 
   template <class Isa>
   SHARDKIT_FORCEINLINE static void run(const typename Opt::constants* k, float* p,
-                                       float* const* state, const G* g, W* out, std::size_t n) {
+                                       float* const* state, const G* g, W* out, std::size_t n,
+                                       bool prefetch) {
     constexpr std::size_t L = Isa::width;
     const typename Opt::constants kk = *k;
     float*
@@ -121,6 +125,20 @@ struct fused_step_kernel {
       const std::size_t head = (64 - off) % 64 / sizeof(float);
       for (; i < head; i += L) one<Isa>(kk, p, st, g, out, i, std::min(L, head - i));
       i = head;
+    }
+    if (!prefetch) {
+      // host::software_prefetch() is off: two vectors at a time (two 64-byte lines of each fp32
+      // stream in the AVX-512 build), stored stream by stream. On an AMD EPYC with AVX-512, one
+      // vector at a time was 1.07x slower on malloc's layout and as fast on the engine's buffers
+      // (benchmarks/README.md).
+      if constexpr (L > 1) {
+        for (; i + 2 * L <= n; i += 2 * L) two<Isa>(kk, p, st, g, out, i);
+      }
+      for (; i + L <= n; i += L) one<Isa>(kk, p, st, g, out, i, L);
+      if constexpr (L > 1) {
+        if (i < n) one<Isa>(kk, p, st, g, out, i, n - i);
+      }
+      return;
     }
     // While a stream has prefetch_distance elements left, each vector also asks for the line
     // that distance ahead in every stream it reads (parameters, state, gradients), and for the
@@ -167,10 +185,13 @@ template <optimizer_policy Opt, float_storage G, float_storage W = bf16>
 void fused_step(const typename Opt::constants& k, float* params, float* const* state,
                 const G* grads, W* working_out, std::size_t n) {
   if (n == 0) return;
+  const bool prefetch = software_prefetch();
   if (working_out != nullptr) {
-    dispatch<detail::fused_step_kernel<Opt, G, W, true>>(&k, params, state, grads, working_out, n);
+    dispatch<detail::fused_step_kernel<Opt, G, W, true>>(&k, params, state, grads, working_out, n,
+                                                         prefetch);
   } else {
-    dispatch<detail::fused_step_kernel<Opt, G, W, false>>(&k, params, state, grads, working_out, n);
+    dispatch<detail::fused_step_kernel<Opt, G, W, false>>(&k, params, state, grads, working_out, n,
+                                                          prefetch);
   }
 }
 
