@@ -4,6 +4,13 @@
 //! force-inlined `template <class Isa> static void run(Args...)` over simd::vf<Isa::width>
 //! (kernels/host/simd.hpp); dispatch<Kernel>(args...) instantiates it once per build, each
 //! compiled for its own target.
+//!
+//! Each build's entry point is flattened: every call in it, down to a user's optimizer policy's
+//! `update` (which need not be marked inline), is inlined into the code compiled for that
+//! target. A vector operation left out of line would be compiled for the translation unit's
+//! own flags, where 8- and 16-lane vectors cannot be held (GCC: "impossible constraint in
+//! asm"); whether the inliner keeps such a function in line otherwise depends on how often the
+//! kernel calls it.
 #pragma once
 
 #include <shardkit/config.hpp>
@@ -17,16 +24,17 @@ namespace detail {
 // One trampoline per build: `Kernel::run<Isa>` (force-inlined) is compiled for the build's
 // target. The AVX2 target omits FMA (nothing may be contracted; see simd.hpp).
 template <class Kernel, class... Args>
-[[gnu::target("avx2,f16c,popcnt")]] void run_avx2(Args... args) {
+[[gnu::flatten, gnu::target("avx2,f16c,popcnt")]] void run_avx2(Args... args) {
   Kernel::template run<simd::isa_avx2>(args...);
 }
 template <class Kernel, class... Args>
-[[gnu::target("avx512f,avx512bw,avx512vl,avx512dq,f16c,popcnt")]] void run_avx512(Args... args) {
+[[gnu::flatten, gnu::target("avx512f,avx512bw,avx512vl,avx512dq,f16c,popcnt")]] void run_avx512(
+    Args... args) {
   Kernel::template run<simd::isa_avx512>(args...);
 }
 template <class Kernel, class... Args>
-[[gnu::target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,popcnt")]] void run_avx512bf16(
-    Args... args) {
+[[gnu::flatten, gnu::target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,popcnt")]] void
+run_avx512bf16(Args... args) {
   Kernel::template run<simd::isa_avx512bf16>(args...);
 }
 #endif
