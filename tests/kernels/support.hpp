@@ -38,6 +38,13 @@ std::uint32_t pattern(T x) {
     return x.bits;
 }
 
+//! The build of the host loops that runs and whether it prefetches, for section names:
+//! "avx2 build, software prefetch on".
+inline std::string build_name() {
+  return std::string(shardkit::host::name(shardkit::host::active_isa())) +
+         " build, software prefetch " + (shardkit::host::software_prefetch() ? "on" : "off");
+}
+
 //! Runs f() in every build of the host loops this CPU runs, each with software prefetch on and
 //! off (kernels/host/prefetch.hpp: the loops take other paths without it). Sections inside f
 //! name the build (DYNAMIC_SECTION): a plain SECTION met again in a loop would run in the first
@@ -48,18 +55,10 @@ void in_every_build(F&& f) {
     shardkit::host::scoped_isa forced(i);
     for (bool prefetch : {true, false}) {
       shardkit::host::scoped_prefetch p(prefetch);
-      INFO("host loops: " << shardkit::host::name(i) << " build, software prefetch "
-                          << (prefetch ? "on" : "off"));
+      INFO("host loops: " << build_name());
       f();
     }
   }
-}
-
-//! The build of the host loops that runs and whether it prefetches, for section names:
-//! "avx2 build, software prefetch on".
-inline std::string build_name() {
-  return std::string(shardkit::host::name(shardkit::host::active_isa())) +
-         " build, software prefetch " + (shardkit::host::software_prefetch() ? "on" : "off");
 }
 
 //! Sets an environment variable for the scope (nullptr: unsets it), restoring the previous

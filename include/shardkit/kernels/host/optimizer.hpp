@@ -129,39 +129,35 @@ struct fused_step_kernel {
     if (!prefetch) {
       // host::software_prefetch() is off: two vectors at a time (two 64-byte lines of each fp32
       // stream in the AVX-512 build), stored stream by stream. On an AMD EPYC with AVX-512, one
-      // vector at a time was 1.07x slower on malloc's layout and as fast on the engine's buffers
-      // (benchmarks/README.md).
+      // vector at a time was 1.04-1.19x slower on malloc's layout and as fast on the engine's
+      // buffers (benchmarks/README.md).
       if constexpr (L > 1) {
         for (; i + 2 * L <= n; i += 2 * L) two<Isa>(kk, p, st, g, out, i);
       }
-      for (; i + L <= n; i += L) one<Isa>(kk, p, st, g, out, i, L);
-      if constexpr (L > 1) {
-        if (i < n) one<Isa>(kk, p, st, g, out, i, n - i);
+    } else {
+      // While a stream has prefetch_distance elements left, each vector also asks for the line
+      // that distance ahead in every stream it reads (parameters, state, gradients), and for
+      // the working copy's line with intent to write.
+      if constexpr (L == 8) {
+        // AVX2: two vectors (one 64-byte line of each fp32 stream) per prefetch
+        if (n > prefetch_distance) {
+          for (; i + 2 * L <= n - prefetch_distance; i += 2 * L) {
+            const std::size_t a = i + prefetch_distance;
+            simd::prefetch_at(a, p, g);
+            for (std::size_t s = 0; s < S; ++s) simd::prefetch_at(a, st[s]);
+            if constexpr (WriteOut) simd::prefetch_for_write(out + a);
+            two<Isa>(kk, p, st, g, out, i);
+          }
+        }
       }
-      return;
-    }
-    // While a stream has prefetch_distance elements left, each vector also asks for the line
-    // that distance ahead in every stream it reads (parameters, state, gradients), and for the
-    // working copy's line with intent to write.
-    if constexpr (L == 8) {
-      // AVX2: two vectors (one 64-byte line of each fp32 stream) per prefetch
       if (n > prefetch_distance) {
-        for (; i + 2 * L <= n - prefetch_distance; i += 2 * L) {
+        for (; i + L <= n - prefetch_distance; i += L) {
           const std::size_t a = i + prefetch_distance;
           simd::prefetch_at(a, p, g);
           for (std::size_t s = 0; s < S; ++s) simd::prefetch_at(a, st[s]);
           if constexpr (WriteOut) simd::prefetch_for_write(out + a);
-          two<Isa>(kk, p, st, g, out, i);
+          one<Isa>(kk, p, st, g, out, i, L);
         }
-      }
-    }
-    if (n > prefetch_distance) {
-      for (; i + L <= n - prefetch_distance; i += L) {
-        const std::size_t a = i + prefetch_distance;
-        simd::prefetch_at(a, p, g);
-        for (std::size_t s = 0; s < S; ++s) simd::prefetch_at(a, st[s]);
-        if constexpr (WriteOut) simd::prefetch_for_write(out + a);
-        one<Isa>(kk, p, st, g, out, i, L);
       }
     }
     for (; i + L <= n; i += L) one<Isa>(kk, p, st, g, out, i, L);
