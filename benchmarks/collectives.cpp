@@ -5,6 +5,11 @@
 //                                     out of place; B is the full array (nccl-tests: the
 //                                     all-reduce buffer, the reduce-scatter input, the
 //                                     all-gather output)
+//  collectives/all_reduce_in_place/ranks:N/bytes:B
+//                                     the all-reduce of bf16 on each rank's one buffer, as the
+//                                     engine issues stage 0's (its bound:
+//                                     bound_all_reduce_in_place, the same memcpy as
+//                                     bound_all_reduce)
 //  collectives/bound_<op>/ranks:N/bytes:B
 //                                     baseline: every rank memcpys, at the same time, the least
 //                                     traffic the op needs of it in shared memory:
@@ -26,8 +31,8 @@
 //                                     small collective costs beyond synchronising N threads
 //
 // Counters: algbw = B / time and busbw = algbw x factor (2(N-1)/N for all-reduce, (N-1)/N for
-// reduce-scatter and all-gather), both in bytes/s, as nccl-tests defines them (docs/accounting.md). Each
-// iteration starts the N rank threads together and waits for all of them (the time is rank 0's
+// reduce-scatter and all-gather), both in bytes/s, as nccl-tests defines them (docs/accounting.md).
+// Each iteration starts the N rank threads together and waits for all of them (the time is rank 0's
 // wall clock); ranks are persistent threads, as in training.
 #include <shardkit/comm/thread.hpp>
 
@@ -97,7 +102,7 @@ void counters(benchmark::State& state, op o, int n, std::size_t bytes) {
   state.counters["size"] = static_cast<double>(bytes);
 }
 
-void bm_collective(benchmark::State& state, op o, int n, std::size_t bytes) {
+void bm_collective(benchmark::State& state, op o, int n, std::size_t bytes, bool in_place) {
   buffers& buf = the_buffers();
   buf.ensure(n, bytes);
   auto group =
@@ -113,7 +118,12 @@ void bm_collective(benchmark::State& state, op o, int n, std::size_t bytes) {
     float* out = buf.out[static_cast<std::size_t>(r)].data();
     switch (o) {
       case op::all_reduce:
-        c.all_reduce(in, out, elems, shardkit::reduce_op::sum);
+        if (in_place) {
+          auto* grads = reinterpret_cast<shardkit::bf16*>(in);
+          c.all_reduce(grads, grads, bytes / sizeof(shardkit::bf16), shardkit::reduce_op::sum);
+        } else {
+          c.all_reduce(in, out, elems, shardkit::reduce_op::sum);
+        }
         break;
       case op::reduce_scatter:
         c.reduce_scatter(in, out, per_rank, shardkit::reduce_op::sum);
@@ -214,7 +224,7 @@ void register_all(bench::size_set s) {
       for (op o : {op::all_reduce, op::reduce_scatter, op::all_gather}) {
         const std::string tail = "/ranks:" + std::to_string(n) + "/bytes:" + std::to_string(b);
         benchmark::RegisterBenchmark(("collectives/" + std::string(name_of(o)) + tail).c_str(),
-                                     bm_collective, o, n, b)
+                                     bm_collective, o, n, b, false)
             ->UseRealTime()
             ->Unit(benchmark::kMicrosecond);
         benchmark::RegisterBenchmark(
@@ -222,6 +232,15 @@ void register_all(bench::size_set s) {
             ->UseRealTime()
             ->Unit(benchmark::kMicrosecond);
       }
+      const std::string tail = "/ranks:" + std::to_string(n) + "/bytes:" + std::to_string(b);
+      benchmark::RegisterBenchmark(("collectives/all_reduce_in_place" + tail).c_str(),
+                                   bm_collective, op::all_reduce, n, b, true)
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond);
+      benchmark::RegisterBenchmark(("collectives/bound_all_reduce_in_place" + tail).c_str(),
+                                   bm_bound, op::all_reduce, n, b)
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond);
     }
   }
 }

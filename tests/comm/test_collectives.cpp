@@ -1,10 +1,11 @@
 // Collective semantics, written once over a World and run for every communicator of the binary
 // (SHARDKIT_TEST_WORLDS): results against a sequential rank-order reference computed
-// independently on every rank, in-place forms, asynchronous forms, the bytes each collective
-// records, completion order, progress, and split().
+// independently on every rank (also with streaming stores), in-place forms, asynchronous forms, the
+// bytes each collective records, completion order, progress, and split().
 #include <shardkit/comm/communicator.hpp>
 #include <shardkit/comm/volume.hpp>
 #include <shardkit/core/dtype.hpp>
+#include <shardkit/kernels/host/streaming.hpp>
 
 #include "comm/collective_checks.hpp"
 #include "support/world.hpp"
@@ -31,6 +32,22 @@ TEMPLATE_TEST_CASE("collectives give the rank-order reference result bit for bit
     CAPTURE(World::name, n);
     test::require_all_ok(
         World::run(n, [](Comm& c) -> std::string { return test::coll::check_every_type(c); }));
+  }
+}
+
+TEMPLATE_TEST_CASE("collectives give the same bits when the host writes with streaming stores",
+                   "[comm]", SHARDKIT_TEST_WORLDS) {
+  // Every host reduction and cast that can stream does (the thread communicator's all-reduce
+  // streams large outputs, kernels/host/reduce.hpp): sizes around vector and chunk boundaries.
+  using World = TestType;
+  using Comm = typename World::comm_type;
+  host::scoped_streaming_threshold always(0);
+  for (int n : {2, 3, 4}) {
+    if (!test::fits<World>(n)) continue;
+    CAPTURE(World::name, n);
+    test::require_all_ok(World::run(n, [](Comm& c) -> std::string {
+      return test::coll::check_every_type(c, {1, 31, 1000, 4099});
+    }));
   }
 }
 

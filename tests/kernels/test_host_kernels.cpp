@@ -1,7 +1,8 @@
 // Host kernels, in every build of the host loops this CPU runs (kernels/host/isa.hpp): vector
 // conversions equal the scalar ones bit for bit, the fused optimizer step equals the scalar
 // reference bit for bit and matches an independent double-precision reference, the
-// rank-ordered reduction is exactly a sequential fp32 sum.
+// rank-ordered reduction is exactly a sequential fp32 sum, and writing it to several outputs in
+// one pass (reduce_ordered_to) gives its bytes, streaming or not, in place or not.
 #include <shardkit/kernels/host/convert.hpp>
 #include <shardkit/kernels/host/optimizer.hpp>
 #include <shardkit/kernels/host/reduce.hpp>
@@ -11,9 +12,11 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -429,4 +432,98 @@ TEST_CASE("reductions propagate NaN and infinity", "[kernels][reduce]") {
     host::reduce_ordered(pi, 2, oi.data(), 2, reduce_op::max);
     REQUIRE(oi == std::vector<std::int64_t>{2, 7});
   });
+}
+
+namespace {
+//! A pointer into `v` whose address is `offset` bytes past a 64-byte boundary, with at least
+//! `pad` elements of `v` before it.
+template <class T>
+T* placed(std::vector<T>& v, std::size_t offset, std::size_t pad) {
+  auto* p = v.data() + pad;
+  while (reinterpret_cast<std::uintptr_t>(p) % 64 != offset) ++p;
+  return p;
+}
+
+template <class T>
+T random_element(std::uint64_t& s) {
+  if constexpr (std::is_integral_v<T>)
+    return static_cast<T>(splitmix(s));
+  else
+    return T(random_float(s, 8.0f));
+}
+
+//! reduce_ordered_to over k inputs into m outputs, each output at its own offset within a
+//! cache line, against reduce_ordered into one array: the same bytes in every output, nothing
+//! written around them; then in place, with output q the input q.
+template <class T>
+void check_reduce_to(std::size_t k, std::size_t m, std::size_t n, reduce_op op, host::stores how,
+                     bool same_offsets) {
+  std::uint64_t s = 29 + k * 100 + m * 10 + n;
+  std::vector<std::vector<T>> in(k, std::vector<T>(n));
+  for (auto& v : in)
+    for (auto& x : v) x = random_element<T>(s);
+  std::vector<const T*> ptrs;
+  for (auto& v : in) ptrs.push_back(v.data());
+  std::vector<T> want(n);
+  host::reduce_ordered(ptrs.data(), k, want.data(), n, op);
+
+  constexpr std::size_t pad = 64 / sizeof(T) + 1;
+  const T fill = random_element<T>(s);
+  std::vector<std::vector<T>> store(m, std::vector<T>(n + 4 * pad, fill));
+  std::vector<T*> out;
+  for (std::size_t p = 0; p < m; ++p) {
+    const std::size_t offset = same_offsets ? 2 * sizeof(T) : (p * 3 * sizeof(T)) % 64;
+    out.push_back(placed(store[p], offset, pad));
+  }
+  host::reduce_ordered_to(ptrs.data(), k, out.data(), m, n, op, how);
+  for (std::size_t p = 0; p < m; ++p) {
+    CAPTURE(p);
+    REQUIRE(std::memcmp(out[p], want.data(), n * sizeof(T)) == 0);
+    for (T* q = store[p].data(); q < out[p]; ++q) REQUIRE(std::memcmp(q, &fill, sizeof(T)) == 0);
+    for (T* q = out[p] + n; q < store[p].data() + store[p].size(); ++q)
+      REQUIRE(std::memcmp(q, &fill, sizeof(T)) == 0);
+  }
+
+  // In place: output q is input q (the thread communicator's in-place all-reduce).
+  std::vector<std::vector<T>> both = in;
+  std::vector<const T*> both_in;
+  std::vector<T*> both_out;
+  for (auto& v : both) both_in.push_back(v.data());
+  for (std::size_t p = 0; p < std::min(k, m); ++p) both_out.push_back(both[p].data());
+  host::reduce_ordered_to(both_in.data(), k, both_out.data(), both_out.size(), n, op, how);
+  for (std::size_t p = 0; p < both_out.size(); ++p)
+    REQUIRE(std::memcmp(both[p].data(), want.data(), n * sizeof(T)) == 0);
+  for (std::size_t q = both_out.size(); q < k; ++q) REQUIRE(both[q] == in[q]);
+}
+}  // namespace
+
+TEST_CASE("reduce_ordered_to writes reduce_ordered's bits to every output, in place or not",
+          "[kernels][reduce]") {
+  in_every_build([] {
+    for (host::stores how : {host::stores::cached, host::stores::streaming}) {
+      for (bool same : {true, false}) {
+        for (std::size_t k : {1u, 2u, 3u}) {
+          for (std::size_t m : {1u, 2u, 4u}) {
+            for (std::size_t n : {std::size_t{0}, std::size_t{1}, L - 1, 2 * L + 3, 1001 + L}) {
+              for (reduce_op op : {reduce_op::sum, reduce_op::avg, reduce_op::max}) {
+                CAPTURE(how == host::stores::streaming, same, k, m, n, op);
+                check_reduce_to<float>(k, m, n, op, how, same);
+                check_reduce_to<bf16>(k, m, n, op, how, same);
+                check_reduce_to<fp16>(k, m, n, op, how, same);
+                check_reduce_to<double>(k, m, n, op, how, same);
+                check_reduce_to<std::int32_t>(k, m, n, op, how, same);
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+  // The run-time element type.
+  std::vector<float> a{1, 2, 3}, b{10, 20, 30}, x(3), y(3);
+  const void* in[2] = {a.data(), b.data()};
+  void* out[2] = {x.data(), y.data()};
+  host::reduce_ordered_to(dtype::f32, in, 2, out, 2, 3, reduce_op::sum);
+  REQUIRE(x == std::vector<float>{11, 22, 33});
+  REQUIRE(y == x);
 }

@@ -12,9 +12,11 @@
 //! 2-core virtual machine in some runs (5-8 us in others); with the spin, 6-11 us in every run.
 //!
 //! The all-reduce is one pass: rank r reduces its chunk r of every rank's input and writes the
-//! result straight into chunk r of every rank's output (on the host block by block, while the
-//! block is in cache), so each rank reads B and writes B bytes of a B-byte all-reduce, the
-//! least shared memory allows, and nothing is copied back.
+//! result straight into chunk r of every rank's output (on the host in the same pass,
+//! host::reduce_ordered_to, with streaming stores when out of place and the rank's bytes exceed
+//! the cache), so
+//! each rank reads B and writes B bytes of a B-byte all-reduce, the least shared memory allows,
+//! and nothing is copied back.
 #pragma once
 
 #include <shardkit/comm/communicator.hpp>
@@ -321,20 +323,26 @@ class thread_communicator : public detail::comm_frontend<thread_communicator<Spa
       case collective::all_reduce: {
         // One pass (see the file comment): chunk r of every input, reduced in rank order, into
         // chunk r of every output. Only this rank touches chunk r of any buffer, so in-place
-        // all-reduces are safe block by block.
+        // all-reduces are safe.
         const std::size_t b = chunk_begin(d.count, n, r), len = chunk_size(d.count, n, r);
-        const std::size_t block =
-            std::is_same_v<Space, host_space> ? std::max<std::size_t>(16384 / esize, 1) : len;
-        for (std::size_t off = 0; off < len; off += block) {
-          const std::size_t cnt = std::min(block, len - off);
-          const std::size_t at = (b + off) * esize;
-          for (int q = 0; q < n; ++q) srcs[q] = in_of(q) + at;
-          transport::reduce(d.type, srcs, n, out_of(r) + at, cnt, d.op);
-          // Device transports enqueue: the reduced chunk must be complete before other
-          // devices' streams copy it.
-          if constexpr (!std::is_same_v<Space, host_space>) detail::transport_fence<transport>();
+        if constexpr (std::is_same_v<Space, host_space>) {
+          void* outs_small[small_group];
+          std::vector<void*> outs_large(n > small_group ? static_cast<std::size_t>(n) : 0);
+          void** outs = n > small_group ? outs_large.data() : outs_small;
           for (int q = 0; q < n; ++q) {
-            if (q != r) transport::copy(out_of(q) + at, out_of(r) + at, cnt * esize);
+            srcs[q] = in_of(q) + b * esize;
+            outs[q] = out_of(q) + b * esize;
+          }
+          host::reduce_ordered_to(d.type, srcs, static_cast<std::size_t>(n), outs,
+                                  static_cast<std::size_t>(n), len, d.op, host::stores::automatic);
+        } else {
+          // Device memory: reduced into this rank's output, which must be complete before the
+          // other devices' streams copy it.
+          for (int q = 0; q < n; ++q) srcs[q] = in_of(q) + b * esize;
+          transport::reduce(d.type, srcs, n, out_of(r) + b * esize, len, d.op);
+          detail::transport_fence<transport>();
+          for (int q = 0; q < n; ++q) {
+            if (q != r) transport::copy(out_of(q) + b * esize, out_of(r) + b * esize, len * esize);
           }
         }
         break;

@@ -431,32 +431,53 @@ inline constexpr bool has_stream_stores =
     false;
 #endif
 
-//! Stores Isa::width floats to fp32/bf16/fp16 storage as store() does (the same bits), with a
-//! streaming (non-temporal) store: the line goes to memory without being read first and
-//! without displacing the cache. `p` must be aligned to the vector's size in storage
-//! (Isa::width * sizeof(T) bytes). Only in builds with has_stream_stores<Isa>; the stores are
-//! weakly ordered until stream_fence().
+//! A vector in its stored form in T: the floats themselves (fp32) or their 16-bit patterns
+//! (to_bf16, to_fp16). A value stored to several places is converted once (stored()) and
+//! written with store_stored or store_stored_stream, the bits store() writes.
 template <class Isa, class T>
-SHARDKIT_DETAIL_SIMD_FN void store_stream(T* p, vf<Isa::width> x) {
-  static_assert(has_stream_stores<Isa>, "simd::store_stream: not in this build");
-#if defined(SHARDKIT_DETAIL_HOST_ASM)
+SHARDKIT_DETAIL_SIMD_FN auto stored(vf<Isa::width> x) {
   if constexpr (std::is_same_v<T, float>) {
-    __asm__ volatile("vmovntps %1, (%0)" : : "r"(p), "v"(x.v) : "memory");
+    return x;
+  } else if constexpr (std::is_same_v<T, bf16>) {
+    return to_bf16<Isa>(x);
   } else {
-    static_assert(std::is_same_v<T, bf16> || std::is_same_v<T, fp16>,
-                  "simd::store_stream: element type must be float, bf16 or fp16");
-    vh<Isa::width> h;
-    if constexpr (std::is_same_v<T, bf16>) {
-      h = to_bf16<Isa>(x);
-    } else {
-      h = to_fp16<Isa>(x);
-    }
-    __asm__ volatile("vmovntdq %1, (%0)" : : "r"(p), "v"(h.v) : "memory");
+    static_assert(std::is_same_v<T, fp16>,
+                  "simd::stored: element type must be float, bf16 or fp16");
+    return to_fp16<Isa>(x);
+  }
+}
+
+//! Writes a vector in its stored form (stored<Isa, T>) to `p`.
+template <class S>
+SHARDKIT_DETAIL_SIMD_FN void store_stored(void* p, S s) {
+  std::memcpy(p, &s.v, sizeof s.v);
+}
+
+//! Writes a vector in its stored form (stored<Isa, T>) to `p` with a streaming (non-temporal)
+//! store: the line goes to memory without being read first and without displacing the cache.
+//! `p` must be aligned to the stored vector's size. Only in builds with has_stream_stores<Isa>;
+//! the stores are weakly ordered until stream_fence().
+template <class Isa, class S>
+SHARDKIT_DETAIL_SIMD_FN void store_stored_stream(void* p, S s) {
+  static_assert(has_stream_stores<Isa>, "simd::store_stored_stream: not in this build");
+#if defined(SHARDKIT_DETAIL_HOST_ASM)
+  if constexpr (std::is_same_v<S, vf<Isa::width>>) {
+    __asm__ volatile("vmovntps %1, (%0)" : : "r"(p), "v"(s.v) : "memory");
+  } else {
+    __asm__ volatile("vmovntdq %1, (%0)" : : "r"(p), "v"(s.v) : "memory");
   }
 #else
   (void)p;
-  (void)x;
+  (void)s;
 #endif
+}
+
+//! Stores Isa::width floats to fp32/bf16/fp16 storage as store() does (the same bits), with a
+//! streaming store (store_stored_stream). `p` must be aligned to the vector's size in storage
+//! (Isa::width * sizeof(T) bytes).
+template <class Isa, class T>
+SHARDKIT_DETAIL_SIMD_FN void store_stream(T* p, vf<Isa::width> x) {
+  store_stored_stream<Isa>(p, stored<Isa, T>(x));
 }
 
 //! Orders the streaming stores issued so far before any later store of this thread (SFENCE),
