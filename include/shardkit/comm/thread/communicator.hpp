@@ -12,11 +12,10 @@
 //! 2-core virtual machine in some runs (5-8 us in others); with the spin, 6-11 us in every run.
 //!
 //! The all-reduce is one pass: rank r reduces its chunk r of every rank's input and writes the
-//! result straight into chunk r of every rank's output (on the host in the same pass,
+//! result straight into chunk r of every rank's output (on the host in the same loop,
 //! host::reduce_ordered_to, with streaming stores when out of place and the rank's bytes exceed
-//! the cache), so
-//! each rank reads B and writes B bytes of a B-byte all-reduce, the least shared memory allows,
-//! and nothing is copied back.
+//! the cache), so each rank reads B and writes B bytes of a B-byte all-reduce, the least shared
+//! memory allows, and nothing is copied back.
 #pragma once
 
 #include <shardkit/comm/communicator.hpp>
