@@ -4,7 +4,8 @@
 //
 //   shardkit_bench_time_model [--size=tiny|full] [--ranks 2,4] [--reps K] [--rounds R]
 //                             [--min-bytes B] [--max-bytes B] [--growth G] [--cold-bytes B]
-//                             [--async 0|1] [--age 0|1] [--gather-outputs K] [--samples 0|1]
+//                             [--async 0|1] [--age 0|1] [--gather-outputs K] [--zero-outputs 0|1]
+//                             [--arrival 0|1] [--samples 0|1]
 //   mpiexec -np 4 shardkit_bench_time_model [--size=...] [--reps K]   (the MPI communicator)
 //
 // The model is benchmarks/engine.cpp's: L units, each a d x d weight and a d bias, bf16 working
@@ -23,12 +24,16 @@
 //     issues its collectives (sweep_options): each input written just before its call,
 //     asynchronous (--async 0: not), the optimizer's bytes streamed before each in-place
 //     all-gather (--age 0: not), out-of-place all-gathers on two outputs of their own as
-//     ZeRO-3's with prefetch 1 (--gather-outputs K), the other buffers reused (--cold-bytes B:
-//     walked through B bytes). Fitted twice: one link for everything (plan::fit_link), and one
-//     per collective and placement (plan::fit_links_per_collective).
+//     ZeRO-3's with prefetch 1 (--gather-outputs K), out-of-place reduce-scatters' outputs
+//     zeroed first as the engine zeroes its gradient shard after a step (--zero-outputs 0: not),
+//     each call timed as the step's are below, from the last rank's start to the first rank's
+//     return (--arrival 0: the slowest rank's own time), the other buffers reused (--cold-bytes B: walked through B bytes). Fitted twice: one link for
+//     everything (plan::fit_link), and one per collective and placement
+//     (plan::fit_links_per_collective).
 //  2. predict: plan::comm_time_per_step for the model's units on a cluster of one node of N
 //     GPUs: "one" with the single link, "pred" with the per-collective links, each call of the
-//     step on the link of its placement (collective_call::in_place).
+//     step on the link of its placement (collective_call::in_place); "smp" with the samples
+//     themselves where a call's size lies among them (plan::sampled_times), the links elsewhere.
 //  3. measure, per stage, over --reps steps after one warm-up step, each the slowest rank's or
 //     the collectives' own (below), median over steps:
 //     - "own" (the comparison): each collective from the last rank's arrival to the first rank's
@@ -49,8 +54,9 @@
 //     agreement), which the model does not count: they matter only where the data collectives are
 //     tiny (--size=tiny).
 //  Printed per N and stage (medians over rounds): the predictions, the measurements, pred/own
-//  (and its range over rounds) and one/own, the collectives issued against the model's count,
-//  and whether bytes_sent equals
+//  (and its range over rounds), smp/own ("smp": plan::comm_time_per_step with the calibration's
+//  samples themselves, plan/sampled.hpp, where a call's size lies among them) and one/own, the
+//  collectives issued against the model's count, and whether bytes_sent equals
 //  plan::bytes_sent_per_step (a check that the model's list of collectives is the engine's).
 //  Then per stage and kind of call (collective, placement, count): the calls per step, measured
 //  and in the model's list (the engine's control collectives are not in it), the own time of
@@ -66,6 +72,7 @@
 #include <shardkit/comm/timed.hpp>
 #include <shardkit/plan/calibrate.hpp>
 #include <shardkit/plan/comm.hpp>
+#include <shardkit/plan/sampled.hpp>
 #include <shardkit/plan/time.hpp>
 #include <shardkit/zero/engine.hpp>
 
@@ -280,7 +287,8 @@ struct prediction {
   plan::link_fit fit;
   plan::collective_fits per_op;
   plan::cluster per_op_cluster;  // the cluster with one link per collective and placement
-  double one[4] = {}, per[4] = {};
+  plan::sampled_times sampled;   // the samples themselves (plan/sampled.hpp)
+  double one[4] = {}, per[4] = {}, smp[4] = {};
 };
 
 prediction predict(int N, const config& c, const run_result& r) {
@@ -294,30 +302,13 @@ prediction predict(int N, const config& c, const run_result& r) {
   plan::cluster cl_op = cl;  // one fitted link per collective and placement
   plan::set_per_collective_links(cl_op, p.per_op);
   p.per_op_cluster = cl_op;
+  p.sampled = plan::sampled_times(r.samples);
   for (int st = 0; st < 4; ++st) {
     p.one[st] = plan::comm_time_per_step(setup_of(st, N), units, cl);
     p.per[st] = plan::comm_time_per_step(setup_of(st, N), units, cl_op);
+    p.smp[st] = plan::comm_time_per_step(setup_of(st, N), units, cl_op, p.sampled);
   }
   return p;
-}
-
-//! The calibration's own time for a call of `count` elements (as calibration_sample counts them)
-//! of collective `op` and placement `in_place`: log-log interpolation between the two samples
-//! around it; NaN outside the sampled sizes.
-double sample_at(const std::vector<plan::calibration_sample>& samples, shardkit::collective op,
-                 bool in_place, std::uint64_t count, std::uint64_t elem_bytes) {
-  const plan::calibration_sample* lo = nullptr;
-  const plan::calibration_sample* hi = nullptr;
-  for (const auto& x : samples) {
-    if (x.op != op || x.in_place != in_place || x.elem_bytes != elem_bytes) continue;
-    if (x.count <= count && (!lo || x.count > lo->count)) lo = &x;
-    if (x.count >= count && (!hi || x.count < hi->count)) hi = &x;
-  }
-  if (!lo || !hi) return std::nan("");
-  if (lo->count == hi->count) return lo->seconds;
-  const double f = std::log(static_cast<double>(count) / static_cast<double>(lo->count)) /
-                   std::log(static_cast<double>(hi->count) / static_cast<double>(lo->count));
-  return std::exp(std::log(lo->seconds) + f * (std::log(hi->seconds) - std::log(lo->seconds)));
 }
 
 //! Per stage, each kind of call: how often the step issued it against the model's list, its own
@@ -347,7 +338,10 @@ void report_calls(int N, const config& c, const std::vector<run_result>& rounds,
             own.push_back(q.median_per_call);
           }
         }
-        smp.push_back(sample_at(rounds[r].samples, k.op, k.in_place, k.count, k.elem_bytes));
+        smp.push_back(
+            preds[r]
+                .sampled.at(k.op, k.count, k.elem_bytes, static_cast<std::uint64_t>(N), k.in_place)
+                .value_or(std::nan("")));
         plan::placement where{static_cast<std::uint64_t>(N), static_cast<std::uint64_t>(N)};
         pred.push_back(plan::collective_time(k.op, k.count, k.elem_bytes, where,
                                              preds[r].per_op_cluster, plan::algorithm::ring,
@@ -425,27 +419,34 @@ int report(const char* comm_name, int N, const config& c, const std::vector<run_
           f->fitted.bytes_per_s / 1e9, 100.0 * f->max_rel_error);
     }
   }
-  std::printf("  pred/own per round, stages 0-3:\n");
+  std::printf("  pred/own | smp/own per round, stages 0-3:\n");
   for (std::size_t k = 0; k < rounds.size(); ++k) {
     std::printf("    round %zu:", number[k]);
     for (int st = 0; st < 4; ++st) {
       std::printf(" %6.3f", preds[k].per[st] / rounds[k].serial[st].after_arrival);
     }
+    std::printf(" |");
+    for (int st = 0; st < 4; ++st) {
+      std::printf(" %6.3f", preds[k].smp[st] / rounds[k].serial[st].after_arrival);
+    }
     std::printf("\n");
   }
   std::printf("  medians over rounds (us):\n");
-  std::printf("  %-5s %9s %9s %9s %15s %9s %8s %13s %8s %9s %9s %9s %5s %5s %s\n", "stage", "one",
-              "pred", "own", "own_q1-q3", "own_last", "pred/own", "range", "one/own", "ovl_own",
-              "ovl_comm", "ovl_w-o", "calls", "model", "bytes_sent");
+  std::printf("  %-5s %9s %9s %9s %9s %15s %9s %8s %13s %8s %8s %9s %9s %9s %5s %5s %s\n", "stage",
+              "one", "pred", "smp", "own", "own_q1-q3", "own_last", "pred/own", "range", "smp/own",
+              "one/own", "ovl_own", "ovl_comm", "ovl_w-o", "calls", "model", "bytes_sent");
   const std::vector<plan::unit> units = units_of(c.shape);
   for (int st = 0; st < 4; ++st) {
-    std::vector<double> one, per, own, q1, q3, last, ratio, ratio_one, o_own, o_comm, o_wo;
+    std::vector<double> one, per, smp, own, q1, q3, last, ratio, ratio_smp, ratio_one, o_own,
+        o_comm, o_wo;
     bool bytes_ok = true;
     for (std::size_t k = 0; k < rounds.size(); ++k) {
       const stage_result& m = rounds[k].serial[st];
       const stage_result& o = rounds[k].overlap[st];
       one.push_back(preds[k].one[st]);
       per.push_back(preds[k].per[st]);
+      smp.push_back(preds[k].smp[st]);
+      ratio_smp.push_back(preds[k].smp[st] / m.after_arrival);
       own.push_back(m.after_arrival);
       q1.push_back(m.q1);
       q3.push_back(m.q3);
@@ -464,10 +465,12 @@ int report(const char* comm_name, int N, const config& c, const std::vector<run_
     std::snprintf(range, sizeof range, "%.3f-%.3f", *std::min_element(ratio.begin(), ratio.end()),
                   *std::max_element(ratio.begin(), ratio.end()));
     std::printf(
-        "  %-5d %9.0f %9.0f %9.0f %15s %9.0f %8.3f %13s %8.3f %9.0f %9.0f %9.0f %5llu %5llu %s\n",
-        st, median(one) * 1e6, median(per) * 1e6, median(own) * 1e6, quart, median(last) * 1e6,
-        median(ratio), range, median(ratio_one), median(o_own) * 1e6, median(o_comm) * 1e6,
-        median(o_wo) * 1e6, static_cast<unsigned long long>(rounds[0].serial[st].calls),
+        "  %-5d %9.0f %9.0f %9.0f %9.0f %15s %9.0f %8.3f %13s %8.3f %8.3f %9.0f %9.0f %9.0f %5llu "
+        "%5llu %s\n",
+        st, median(one) * 1e6, median(per) * 1e6, median(smp) * 1e6, median(own) * 1e6, quart,
+        median(last) * 1e6, median(ratio), range, median(ratio_smp), median(ratio_one),
+        median(o_own) * 1e6, median(o_comm) * 1e6, median(o_wo) * 1e6,
+        static_cast<unsigned long long>(rounds[0].serial[st].calls),
         static_cast<unsigned long long>(b.calls()),
         bytes_ok ? "= model" : "DIFFERS from the model");
   }

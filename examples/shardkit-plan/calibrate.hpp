@@ -22,6 +22,7 @@
 #endif
 
 #include "parse.hpp"
+#include "samples_file.hpp"
 
 #include <cctype>
 #include <cstdint>
@@ -44,6 +45,7 @@ struct calibrate_options {
   bool ranks_given = false;
   // bf16: the planner's default --dtype.
   plan::sweep_options sweep{.cold_bytes = std::size_t{256} << 20, .element = shardkit::dtype::bf16};
+  std::string save_samples;  // --save-samples FILE: the samples, for the planner's --samples
 };
 
 //! Bytes with a unit (64KiB, 16MiB) or a plain number of bytes (65536).
@@ -195,6 +197,27 @@ inline int print_calibration(const std::vector<plan::calibration_sample>& sample
   return 0;
 }
 
+//! print_calibration, then the samples written to --save-samples's file where one was given
+//! (returns 1, with the reason on stderr, when it cannot be written: under MPI only rank 0
+//! writes, and every rank takes its status).
+inline int report_calibration(const std::vector<plan::calibration_sample>& samples,
+                              const char* comm, std::uint64_t ranks, const calibrate_options& o) {
+  int status = print_calibration(samples, comm, ranks, o.sweep);
+  if (o.save_samples.empty()) return status;
+  try {
+    write_samples(o.save_samples, samples,
+                  std::string(comm) + " communicator, " + std::to_string(ranks) + " ranks, " +
+                      shardkit::name(o.sweep.element));
+    std::printf("samples written to %s (shardkit-plan --samples %s reads them)\n",
+                o.save_samples.c_str(), o.save_samples.c_str());
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "shardkit-plan: error: %s\n", e.what());
+    status = 1;
+  }
+  return status;
+}
+
 #if defined(SHARDKIT_PLAN_MPI)
 inline int calibrate_mpi(int argc, char** argv, const calibrate_options& o) {
   return shardkit::mpi_main(argc, argv, [&](shardkit::mpi_comm& comm) -> int {
@@ -218,7 +241,7 @@ inline int calibrate_mpi(int argc, char** argv, const calibrate_options& o) {
     const auto samples = plan::measure_collectives(comm, o.sweep);
     int status = 0;
     if (comm.rank() == 0) {
-      status = print_calibration(samples, "mpi", static_cast<std::uint64_t>(comm.size()), o.sweep);
+      status = report_calibration(samples, "mpi", static_cast<std::uint64_t>(comm.size()), o);
       std::fflush(stdout);
     }
     comm.broadcast(&status, 1, 0);  // the job's exit status is rank 0's
@@ -256,7 +279,7 @@ inline int calibrate_main([[maybe_unused]] int argc, [[maybe_unused]] char** arg
     const int n = static_cast<int>(o.ranks);
     const auto results = shardkit::run_ranks(
         n, [&](shardkit::thread_comm& comm) { return plan::measure_collectives(comm, o.sweep); });
-    return print_calibration(results[0], "thread", o.ranks, o.sweep);
+    return report_calibration(results[0], "thread", o.ranks, o);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "shardkit-plan: error: %s\n", e.what());
     return 1;

@@ -7,6 +7,8 @@
 //   shardkit-plan --params 7e9 --ranks 8 --gpu-mem 80GB
 //   shardkit-plan --units layers.txt --ranks 1024 --gpu-mem 80GB --hybrid 8 --json
 //   shardkit-plan --calibrate          (calibrate.hpp: measures the link, prints the flags)
+//   shardkit-plan --calibrate --save-samples s.txt, then --samples s.txt: the times read off the
+//                                      measured curve (samples_file.hpp, plan/sampled.hpp)
 //
 // The flags are parsed in options.hpp (CLI11; the values by parse.hpp), printed by report.hpp;
 // this file checks them against each other, builds the model and plans it.
@@ -28,7 +30,7 @@
 //                                      intra_all_reduce, intra_reduce_scatter, intra_all_gather
 //                                      (each collective's own intra-node link, {bytes_per_s,
 //                                      latency_s}, or null when not given: it uses intra_node),
-//                                      rank
+//                                      measured_samples (the --samples file, or null), rank
 //   stages                             array of 4 objects, stage 0..3, each with:
 //     stage, hybrid, shard_group, replicas, groups, shard_elems, padded_elems
 //     bytes_per_rank                   {working_params, grads, master_params, optimizer_moments,
@@ -41,6 +43,7 @@
 //     comm_time_per_step_s             {ring, hierarchical}
 //   recommended_stage                  the lowest stage that fits, or null
 #include <shardkit/plan/planner.hpp>
+#include <shardkit/plan/sampled.hpp>
 
 #include "../common/format.hpp"
 #include "calibrate.hpp"
@@ -174,7 +177,9 @@ int main(int argc, char** argv) {
       if (const char* why = plan::placement_problem(s, o.cluster)) bad(why);
     }
     const plan::gpu_budget budget{*o.gpu_mem, o.headroom.of(*o.gpu_mem)};
-    const plan::plan_report r = plan::plan_all(s, model, o.cluster, budget, o.rank);
+    const plan::plan_report r =
+        o.measured ? plan::plan_all(s, model, o.cluster, *o.measured, budget, o.rank)
+                   : plan::plan_all(s, model, o.cluster, budget, o.rank);
     if (o.json) {
       shardkit_plan::print_json(o, r, model, budget);
     } else {

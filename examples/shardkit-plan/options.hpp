@@ -22,6 +22,7 @@
 
 #include "calibrate.hpp"
 #include "parse.hpp"
+#include "samples_file.hpp"
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
@@ -57,6 +58,10 @@ struct options {
   cli::headroom headroom;
   std::uint64_t activations = 0;
   plan::cluster cluster;  // gpus_per_node and the links, resolved from the link flags
+  // --samples FILE: measured times (--calibrate --save-samples) that replace the links' where
+  // a call's size lies among them
+  std::optional<plan::sampled_times> measured;
+  std::string measured_source;  // the file
   std::uint64_t rank = 0;
   bool exact = false;
   bool json = false;
@@ -302,6 +307,14 @@ inline void add_plan_options(CLI::App& app, options& o, cluster_flags& net) {
   bw("--intra-all-gather-in-place-bw", "all-gather's in place, likewise",
      net.all_gather_in_place.bw);
   latency("--intra-all-gather-in-place-alpha", "its latency", net.all_gather_in_place.alpha);
+  add_valued(app, "--samples", "FILE",
+             "times of one node's collectives measured by --calibrate\n"
+             "--save-samples FILE: a call whose size lies among them\n"
+             "takes the measured curve instead of the links above",
+             [&o](sv f, sv v) {
+               o.measured = read_samples(f, std::string(v));
+               o.measured_source = std::string(v);
+             });
 
   app.option_defaults()->group("output");
   add_valued(app, "--rank", "R", "report the bytes rank R sends (default 0)",
@@ -318,7 +331,8 @@ constexpr const char* calibrate_usage =
     "usage: shardkit-plan --calibrate [--comm thread|mpi] [--ranks N] [--max-bytes B] [--reps K]\n"
     "                          [--dtype bf16|fp32] [--cold-bytes B] [--fresh-input]\n"
     "                          [--in-place] [--async] [--growth G] [--optimizer-bytes B]\n"
-    "                          [--gather-outputs K]\n";
+    "                          [--gather-outputs K] [--zero-reduce-outputs]\n"
+    "                          [--after-last-arrival] [--save-samples FILE]\n";
 
 //! The flags of --calibrate, filling `o`.
 inline void add_calibrate_options(CLI::App& app, calibrate_options& o) {
@@ -411,6 +425,18 @@ inline void add_calibrate_options(CLI::App& app, calibrate_options& o) {
                if (k > 16) cli::fail(f, v, "must be 0..16");
                o.sweep.gather_outputs = static_cast<std::size_t>(k);
              });
+  app.add_flag("--zero-reduce-outputs", o.sweep.zero_reduce_outputs,
+               "each rank zeroes an out-of-place reduce-scatter's output\n"
+               "before the call, as the engine zeroes its gradient shard\n"
+               "after every step; needs --fresh-input");
+  app.add_flag("--after-last-arrival", o.sweep.after_last_arrival,
+               "time each call from the last rank's start to the first\n"
+               "rank's return instead of the slowest rank's own time (ranks\n"
+               "of one machine: one clock)");
+  add_valued(app, "--save-samples", "FILE",
+             "also write the measured times to FILE, for the planner's\n"
+             "--samples FILE",
+             [&o](sv, sv v) { o.save_samples = std::string(v); });
   app.option_defaults()->group("");  // the planner's help lists --help
   add_help_flag(app);
 }
@@ -435,14 +461,20 @@ inline bool parse_calibrate_options(int argc, const char* const* argv, calibrate
   detail::add_calibrate_options(app, o);
   if (!detail::run(app, argc, argv, "--calibrate: ",
                    "; expected --comm, --ranks, --max-bytes, --reps, --dtype, --cold-bytes, "
-                   "--fresh-input, --in-place, --async, --growth, --optimizer-bytes or "
-                   "--gather-outputs")) {
+                   "--fresh-input, --in-place, --async, --growth, --optimizer-bytes, "
+                   "--gather-outputs, --zero-reduce-outputs, --after-last-arrival or "
+                   "--save-samples")) {
     return false;
   }
   if (o.sweep.optimizer_bytes != 0 && !(o.sweep.fresh_input && o.sweep.in_place)) {
     throw cli::bad_argument(
         "--calibrate: --optimizer-bytes needs --fresh-input and --in-place (it is streamed "
         "before each in-place all-gather, which is then timed alone)");
+  }
+  if (o.sweep.zero_reduce_outputs && !o.sweep.fresh_input) {
+    throw cli::bad_argument(
+        "--calibrate: --zero-reduce-outputs needs --fresh-input (the output is zeroed before "
+        "each reduce-scatter, which is then timed alone)");
   }
   return true;
 }

@@ -183,6 +183,12 @@ inline void print_table(const options& o, const plan::plan_report& r,
   if (const std::string own = own_links(o.cluster); !own.empty()) {
     std::printf("  per collective inside a node: %s\n", own.c_str());
   }
+  if (o.measured) {
+    std::printf(
+        "  measured (--samples %s, %zu samples): a call inside a node whose size lies among\n"
+        "  them takes the measured curve (log-log interpolation), the others the links above\n",
+        o.measured_source.c_str(), o.measured->samples().size());
+  }
   std::printf("\n");
 
   if (r.recommended >= 0) {
@@ -235,7 +241,7 @@ inline void print_json(const options& o, const plan::plan_report& r,
       "  \"gpus_per_node\": %" PRIu64
       ", \"intra_node\": {\"bytes_per_s\": %.17g, \"latency_s\": %.17g}"
       ", \"inter_node\": {\"bytes_per_s\": %.17g, \"latency_s\": %.17g},\n"
-      "  %s, %s, %s,\n  %s, %s, %s, \"rank\": %" PRIu64 "},\n",
+      "  %s, %s, %s,\n  %s, %s, %s, \"measured_samples\": %s, \"rank\": %" PRIu64 "},\n",
       o.cluster.gpus_per_node, o.cluster.intra.bytes_per_s, o.cluster.intra.latency_s,
       o.cluster.inter.bytes_per_s, o.cluster.inter.latency_s,
       json_link("intra_all_reduce", o.cluster.intra_all_reduce).c_str(),
@@ -243,7 +249,8 @@ inline void print_json(const options& o, const plan::plan_report& r,
       json_link("intra_all_gather", o.cluster.intra_all_gather).c_str(),
       json_link("intra_all_reduce_in_place", o.cluster.intra_all_reduce_in_place).c_str(),
       json_link("intra_reduce_scatter_in_place", o.cluster.intra_reduce_scatter_in_place).c_str(),
-      json_link("intra_all_gather_in_place", o.cluster.intra_all_gather_in_place).c_str(), o.rank);
+      json_link("intra_all_gather_in_place", o.cluster.intra_all_gather_in_place).c_str(),
+      o.measured ? std::to_string(o.measured->samples().size()).c_str() : "null", o.rank);
   std::printf(" \"stages\": [\n");
   for (std::size_t i = 0; i < r.stages.size(); ++i) {
     const auto& x = r.stages[i];

@@ -69,3 +69,35 @@ endforeach()
 if(NOT own_links EQUAL 3 AND NOT out MATCHES "\n  per collective: ")
   message(FATAL_ERROR "${own_links} of 3 collectives have their own link, and no reason given")
 endif()
+
+# With --save-samples FILE, the samples are written, and the planner's --samples FILE reads
+# them: the JSON counts them, and the times (a model small enough that stage 0's all-reduce lies
+# among the sampled sizes) are read off them instead of the fitted line.
+if(args MATCHES "--save-samples")
+  if(NOT out MATCHES "samples written to ([^ \n]+) ")
+    message(FATAL_ERROR "--save-samples given, but no 'samples written to FILE':\n${out}")
+  endif()
+  set(file "${CMAKE_MATCH_1}")
+  file(STRINGS "${file}" sample_lines REGEX "^(all_gather|reduce_scatter|all_reduce) ")
+  list(LENGTH sample_lines n_lines)
+  set(small --params 1e5 --ranks ${gpn} --gpu-mem 1GB ${flags} --json)
+  execute_process(COMMAND "${EXE}" ${small} --samples "${file}" OUTPUT_VARIABLE measured
+                  ERROR_VARIABLE err RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "shardkit-plan --samples ${file} failed (${rc}): ${err}")
+  endif()
+  execute_process(COMMAND "${EXE}" ${small} OUTPUT_VARIABLE fitted RESULT_VARIABLE rc)
+  string(JSON n GET "${measured}" inputs measured_samples)
+  string(JSON none TYPE "${fitted}" inputs measured_samples)
+  if(NOT n EQUAL n_lines OR n_lines LESS 6 OR NOT none STREQUAL "NULL")
+    message(FATAL_ERROR "measured_samples ${n} (${n_lines} lines in ${file}), without "
+                        "--samples: ${none}")
+  endif()
+  string(JSON t_measured GET "${measured}" stages 0 comm_time_per_step_s ring)
+  string(JSON t_fitted GET "${fitted}" stages 0 comm_time_per_step_s ring)
+  if(t_measured LESS_EQUAL 0 OR t_measured STREQUAL t_fitted)
+    message(FATAL_ERROR "stage 0 with --samples: ${t_measured} s, with the fitted link alone "
+                        "${t_fitted} s; expected a positive time read off the samples")
+  endif()
+  message(STATUS "--samples ${file}: ${n} samples; stage 0 ${t_measured} s (fitted ${t_fitted} s)")
+endif()

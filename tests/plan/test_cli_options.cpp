@@ -3,11 +3,13 @@
 // intra-node links included, and the model's times change as the library computes them), bad
 // arguments are cli::bad_argument naming the flag, and --calibrate's printed flags parse back.
 #include <shardkit/plan/planner.hpp>
+#include <shardkit/plan/sampled.hpp>
 
 #include "shardkit-plan/options.hpp"
 
 #include <catch2/catch.hpp>
 
+#include <cstdio>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -146,6 +148,46 @@ TEST_CASE("shardkit-plan options: a per-collective link changes the time as the 
   CHECK(plan::comm_time_per_step(s, std::uint64_t{1} << 20, o.cluster) == 6.0 / 2048);
 }
 
+TEST_CASE("shardkit-plan options: --samples reads what --save-samples wrote, and plans with it") {
+  // Samples of a known curve at 2 ranks: reduce-scatters, all-reduces in place.
+  std::vector<plan::calibration_sample> written;
+  for (std::uint64_t n = 1024; n <= (std::uint64_t{1} << 22); n *= 2) {
+    for (const bool in_place : {false, true}) {
+      written.push_back(
+          {shardkit::collective::reduce_scatter, n, 2, 2, 1e-5 + n * 3e-10, in_place});
+    }
+    written.push_back({shardkit::collective::all_reduce, 2 * n, 2, 2, 2e-5 + n * 1e-9, true});
+  }
+  const std::string path = "shardkit_plan_samples_test.txt";
+  shardkit_plan::write_samples(path, written, "test");
+  const auto o = parse({"--samples", path.c_str(), "--gpus-per-node", "2"});
+  REQUIRE(o.measured);
+  CHECK(o.measured_source == path);
+  // Every sample comes back exactly (17 significant digits), sorted.
+  REQUIRE(o.measured->samples().size() == written.size());
+  for (const auto& w : written) {
+    const auto got = o.measured->at(w.op, w.count, w.elem_bytes, w.ranks, w.in_place);
+    REQUIRE(got);
+    CHECK(*got == w.seconds);
+  }
+  // The planner's times: the library's plan_all with the samples.
+  plan::setup s;
+  s.ranks = 2;
+  const plan::unit model[] = {{std::uint64_t{1} << 20}};
+  const plan::gpu_budget budget{std::uint64_t{1} << 30, 0};
+  const auto with = plan::plan_all(s, model, o.cluster, *o.measured, budget);
+  const auto without = plan::plan_all(s, model, o.cluster, budget);
+  for (int st = 0; st <= 3; ++st) {
+    INFO("stage " << st);
+    const auto& a = with.stages[static_cast<std::size_t>(st)];
+    CHECK(a.ring_time_s == plan::comm_time_per_step(a.config, model, o.cluster, *o.measured));
+    CHECK(a.ring_time_s != without.stages[static_cast<std::size_t>(st)].ring_time_s);
+    CHECK(a.memory.total() == without.stages[static_cast<std::size_t>(st)].memory.total());
+  }
+  std::remove(path.c_str());
+  CHECK_THAT(parse_error({"--samples", path.c_str()}), Contains("is not a readable file"));
+}
+
 TEST_CASE("shardkit-plan options: bad arguments name the flag, what was given and expected") {
   CHECK_THAT(parse_error({"--frobnicate", "1"}),
              Contains("unknown argument '--frobnicate'") && Contains("expected"));
@@ -224,6 +266,10 @@ TEST_CASE("shardkit-plan options: --help wins, and lists every flag") {
                            "--growth G",
                            "--optimizer-bytes B",
                            "--gather-outputs K",
+                           "--zero-reduce-outputs",
+                           "--after-last-arrival",
+                           "--save-samples FILE",
+                           "--samples FILE",
                            "--intra-all-reduce-in-place-bw BW",
                            "--intra-all-gather-in-place-alpha T"}) {
     CHECK_THAT(help, Contains(std::string("    ") + flag));
@@ -261,12 +307,24 @@ TEST_CASE("shardkit-plan options: --calibrate's flags") {
   CHECK(c.sweep.optimizer_bytes == 117'000'000);
   CHECK(c.sweep.gather_outputs == 2);
   CHECK(c.sweep.growth == 2);
+  CHECK_FALSE(c.sweep.zero_reduce_outputs);
+  CHECK(c.save_samples.empty());
+  const command_line zeroed(
+      {"--calibrate", "--fresh-input", "--zero-reduce-outputs", "--save-samples", "s.txt"});
+  REQUIRE(shardkit_plan::parse_calibrate_options(zeroed.argc(), zeroed.argv.data(), c));
+  CHECK(c.sweep.zero_reduce_outputs);
+  CHECK(c.save_samples == "s.txt");
   // Streamed before in-place all-gathers timed alone: without --fresh-input and --in-place
   // there are none.
   shardkit_plan::calibrate_options e;
   const command_line alone({"--calibrate", "--optimizer-bytes", "1MiB", "--in-place"});
   CHECK_THROWS_WITH(shardkit_plan::parse_calibrate_options(alone.argc(), alone.argv.data(), e),
                     Contains("--optimizer-bytes needs --fresh-input and --in-place"));
+  const command_line unprepared({"--calibrate", "--zero-reduce-outputs"});
+  shardkit_plan::calibrate_options f;
+  CHECK_THROWS_WITH(
+      shardkit_plan::parse_calibrate_options(unprepared.argc(), unprepared.argv.data(), f),
+      Contains("--zero-reduce-outputs needs --fresh-input"));
   const command_line slow({"--calibrate", "--growth", "1"});
   CHECK_THROWS_WITH(shardkit_plan::parse_calibrate_options(slow.argc(), slow.argv.data(), e),
                     Contains("--growth: '1' must be 2..1024"));

@@ -319,6 +319,22 @@ struct sweep_options {
   //! project's 2-core machines the step's out-of-place all-gathers of 1 MiB per rank ran
   //! 1.3-2x faster than a sweep's that walk. At most 16.
   std::size_t gather_outputs = 0;
+  //! Each out-of-place reduce-scatter's output zeroed by its rank before the call's input is
+  //! written (untimed), as the engine zeroes its gradient shard at the end of every step and the
+  //! next step's reduce-scatters (stages 2-3) write into it; without compute in between (a
+  //! benchmark's step), those lines are still in the caches. Needs fresh_input.
+  bool zero_reduce_outputs = false;
+  //! What a repetition's time is. false: the slowest rank's, each rank timing from its own
+  //! start (after the barrier) to its own return, which any ranks can measure. true: from the
+  //! moment the last rank started to the moment the first rank returned, which leaves out how
+  //! late each rank left the barrier and how late it returns: the time of a step's collective
+  //! as benchmarks/time_model.cpp measures it. With more ranks than cores, when a rank starts
+  //! and returns is the scheduler's, and the slowest rank's time counts it (on this project's
+  //! 2-core machines, 4 thread ranks timed their per-unit calls 1.2-1.7x longer that way than
+  //! the step's). Needs one clock for all ranks (std::chrono::steady_clock on one machine: thread
+  //! ranks, or processes of one node); a first return before the last start (clocks that
+  //! differ) raises calibration_error.
+  bool after_last_arrival = false;
   //! Element type of the buffers: fp32 or bf16. Use the gradients' type of the steps to be
   //! predicted: a host communicator's reduction costs more per byte in bf16 (fp32 accumulation
   //! and rounding) than in fp32, and the fit charges that to β.
@@ -362,6 +378,12 @@ inline void check(const sweep_options& o, int rank) {
         "calibrate (rank ", rank, "): optimizer_bytes ", o.optimizer_bytes,
         " is set without fresh_input and in_place; expected both (it ages the in-place "
         "all-gathers, each timed alone)");
+  }
+  if (o.zero_reduce_outputs && !o.fresh_input) {
+    shardkit::detail::raise<calibration_error>(
+        "calibrate (rank ", rank,
+        "): zero_reduce_outputs is set without fresh_input; expected both (it prepares each "
+        "reduce-scatter's output before the call is timed alone)");
   }
   if (o.gather_outputs > 16) {
     shardkit::detail::raise<calibration_error>("calibrate (rank ", rank, "): gather_outputs ",
@@ -483,15 +505,33 @@ std::vector<calibration_sample> sweep(Comm& comm, const sweep_options& o) {
   auto stream_state = [&] {
     for (float& v : state) v = 0.5f * v + 1.0f;
   };
-  auto slowest = [&](double s) {
-    comm.all_reduce(&s, &s, 1, reduce_op::max);
+  using clock = std::chrono::steady_clock;
+  // The time of one of `calls` calls that this rank started at t0 and saw end at t1
+  // (after_last_arrival: see sweep_options).
+  auto repetition_time = [&](clock::time_point t0, clock::time_point t1, int calls) {
+    if (!o.after_last_arrival) {
+      double s = std::chrono::duration<double>(t1 - t0).count() / calls;
+      comm.all_reduce(&s, &s, 1, reduce_op::max);
+      return s;
+    }
+    // The maximum over ranks of (start, −end): the last start and the first end.
+    double v[2] = {std::chrono::duration<double>(t0.time_since_epoch()).count(),
+                   -std::chrono::duration<double>(t1.time_since_epoch()).count()};
+    comm.all_reduce(v, v, 2, reduce_op::max);
+    const double s = (-v[1] - v[0]) / calls;
+    if (!(s > 0)) {
+      shardkit::detail::raise<calibration_error>(
+          "calibrate (rank ", comm.rank(), "): after_last_arrival: the first rank returned ",
+          -s * calls * 1e6,
+          " us before the last one started; expected one clock for all ranks "
+          "(ranks on one machine)");
+    }
     return s;
   };
   auto median_of = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
     return v.size() % 2 == 1 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
   };
-  using clock = std::chrono::steady_clock;
   std::vector<calibration_sample> samples;
   const collective ops[] = {collective::all_gather, collective::reduce_scatter,
                             collective::all_reduce};
@@ -510,18 +550,20 @@ std::vector<calibration_sample> sweep(Comm& comm, const sweep_options& o) {
           if (o.fresh_input) {  // write, wait for every rank, time the one call
             const call_buffers x = buffers(op, n, in_place);
             if (in_place && op == collective::all_gather) stream_state();
+            if (o.zero_reduce_outputs && !in_place && op == collective::reduce_scatter) {
+              std::fill_n(x.dst, n / p, T(0.0f));
+            }
             write(x);
             comm.barrier();
             const auto t0 = clock::now();
             issue(op, n, x);
-            s = std::chrono::duration<double>(clock::now() - t0).count();
+            s = repetition_time(t0, clock::now(), 1);
           } else {
             comm.barrier();
             const auto t0 = clock::now();
             for (int i = 0; i < iters; ++i) issue(op, n, buffers(op, n, in_place));
-            s = std::chrono::duration<double>(clock::now() - t0).count() / iters;
+            s = repetition_time(t0, clock::now(), iters);
           }
-          s = slowest(s);
           if (rep >= 0) reps.push_back(s);
         }
         const std::uint64_t count = op == collective::all_reduce ? n : n / p;
