@@ -26,13 +26,16 @@
 //! (b/a, the bytes of one ring step); otherwise α and β cannot be told apart.
 //!
 //! **The sweep.** calibrate(comm, options) is collective: every rank of `comm` calls it with the
-//! same options. For all-gather, reduce-scatter and all-reduce at buffer sizes from
+//! same options. After one untimed pass over every collective, placement and size (the first
+//! collective timed after a pause ran slow for longer than its own warm-up calls), for
+//! all-gather, reduce-scatter and all-reduce at buffer sizes from
 //! options.min_bytes to options.max_bytes (×options.growth each, default 4; elements of
 //! options.element, fp32 or bf16; the size is the whole array: all-gather's output,
 //! reduce-scatter's input, all-reduce's buffer), it runs options.warmup untimed repetitions, then
 //! options.reps timed ones, each a barrier followed by `iters` back-to-back calls (more for small
 //! sizes, so a repetition moves at least options.bytes_per_rep); the time of a repetition is the
-//! slowest rank's (an all-reduce with max), and a sample's time is the median of the repetitions.
+//! slowest rank's (an all-reduce with max; with options.after_last_arrival, from the last rank's
+//! start to the first rank's return), and a sample's time is the median of the repetitions.
 //! Every rank returns the same samples and the same fit. With options.cold_bytes, the calls take
 //! turns on that many bytes of buffers, so that each finds its data out of cache; calibrated on one
 //! reused buffer, the model predicted the engine benchmark's step 1.5–2.3× too fast on this
@@ -535,6 +538,18 @@ std::vector<calibration_sample> sweep(Comm& comm, const sweep_options& o) {
   std::vector<calibration_sample> samples;
   const collective ops[] = {collective::all_gather, collective::reduce_scatter,
                             collective::all_reduce};
+  // One untimed pass over every collective, placement and size first: timed right after a
+  // pause (the caller's other work), the first collective of a sweep ran 1.5-2x slow at every
+  // size on this project's 2-core machines, for longer than its own warm-up calls.
+  for (const bool in_place : {false, true}) {
+    if (!(in_place ? o.in_place : o.out_of_place)) continue;
+    for (const collective op : ops) {
+      for (const std::size_t n : sizes) {
+        comm.barrier();
+        issue(op, n, buffers(op, n, in_place));
+      }
+    }
+  }
   for (const bool in_place : {false, true}) {
     if (!(in_place ? o.in_place : o.out_of_place)) continue;
     for (const collective op : ops) {
