@@ -27,9 +27,9 @@
 //     ZeRO-3's with prefetch 1 (--gather-outputs K), out-of-place reduce-scatters' outputs
 //     zeroed first as the engine zeroes its gradient shard after a step (--zero-outputs 0: not),
 //     each call timed as the step's are below, from the last rank's start to the first rank's
-//     return (--arrival 0: the slowest rank's own time), the other buffers reused (--cold-bytes B: walked through B bytes). Fitted twice: one link for
-//     everything (plan::fit_link), and one per collective and placement
-//     (plan::fit_links_per_collective).
+//     return (--arrival 0: the slowest rank's own time), the other buffers reused (--cold-bytes
+//     B: walked through B bytes). Fitted twice: one link for everything (plan::fit_link), and
+//     one per collective and placement (plan::fit_links_per_collective).
 //  2. predict: plan::comm_time_per_step for the model's units on a cluster of one node of N
 //     GPUs: "one" with the single link, "pred" with the per-collective links, each call of the
 //     step on the link of its placement (collective_call::in_place); "smp" with the samples

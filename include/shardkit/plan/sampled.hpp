@@ -17,7 +17,7 @@
 
 #include <shardkit/config.hpp>
 #include <shardkit/core/error.hpp>
-#include <shardkit/plan/calibrate.hpp>
+#include <shardkit/plan/fit.hpp>
 #include <shardkit/plan/planner.hpp>
 #include <shardkit/plan/time.hpp>
 
