@@ -10,6 +10,13 @@
 //                                     engine issues stage 0's (its bound:
 //                                     bound_all_reduce_in_place, the same memcpy as
 //                                     bound_all_reduce)
+//  collectives/placement_all_reduce_in_place/ranks:N/bytes:B/slots:same|own
+//                                     the same all-reduce with each rank's buffer allocated as
+//                                     a rank thread allocates it: all on one slot of the
+//                                     allocator's stagger across threads (congruent modulo
+//                                     2 MiB) or each on its own (what run_ranks gives); counter
+//                                     apart_kib: the least distance of two ranks' buffers
+//                                     modulo 2 MiB
 //  collectives/bound_<op>/ranks:N/bytes:B
 //                                     baseline: every rank memcpys, at the same time, the least
 //                                     traffic the op needs of it in shared memory:
@@ -38,11 +45,13 @@
 
 #include "common.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -77,11 +86,17 @@ struct buffers {
     if (n == ranks && b <= bytes) return;
     in.clear();
     out.clear();
+    // Each rank's buffers on the rank's slot of the stagger across threads, where run_ranks
+    // puts a rank thread's own (core/memory.hpp), although this thread allocates them all.
+    using alloc = shardkit::space_allocator<shardkit::host_space>;
+    const std::size_t own_slot = alloc::thread_slot();
     for (int r = 0; r < n; ++r) {
+      alloc::set_thread_slot(static_cast<std::size_t>(r));
       in.push_back(bench::make_array<float>(b / sizeof(float)));
       out.push_back(bench::make_array<float>(b / sizeof(float)));
       std::fill_n(in.back().data(), b / sizeof(float), 1.0f + static_cast<float>(r));
     }
+    alloc::set_thread_slot(own_slot);
     ranks = n;
     bytes = b;
   }
@@ -154,6 +169,49 @@ void bm_bound(benchmark::State& state, op o, int n, std::size_t bytes) {
   for (auto _ : state) team.run(job);
   counters(state, o, n, bytes);
   state.counters["bytes"] = static_cast<double>(bytes);
+}
+
+// The in-place bf16 all-reduce (stage 0's, on the gradients) on buffers laid out as rank threads
+// lay out their own: each rank's allocated on a thread of its own, so that each starts the
+// stagger within a page afresh as a rank thread does, on the rank's slot of the stagger across
+// threads ("own", what run_ranks gives) or all on slot 0 ("same": the ranks' buffers congruent
+// modulo 2 MiB, as every rank's gradients were before that stagger; core/memory.hpp). Counter
+// apart_kib: the least distance between two ranks' buffers modulo 2 MiB.
+void bm_placement(benchmark::State& state, int n, std::size_t bytes, bool own_slots) {
+  using alloc = shardkit::space_allocator<shardkit::host_space>;
+  const std::size_t elems = bytes / sizeof(shardkit::bf16);
+  std::vector<bench::array<shardkit::bf16>> grads(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    std::thread([&, r] {
+      alloc::set_thread_slot(own_slots ? static_cast<std::size_t>(r) : 0);
+      auto& g = grads[static_cast<std::size_t>(r)];
+      g = bench::array<shardkit::bf16>(elems, nullptr, shardkit::memory_category::grads);
+      std::fill_n(g.data(), elems, shardkit::bf16(1.0f));
+    }).join();
+  }
+  std::uintptr_t apart = alloc::huge_page;
+  for (const auto& a : grads) {
+    for (const auto& b : grads) {
+      if (&a == &b) continue;
+      const auto d = (reinterpret_cast<std::uintptr_t>(a.data()) -
+                      reinterpret_cast<std::uintptr_t>(b.data())) %
+                     alloc::huge_page;
+      apart = std::min(apart, std::min<std::uintptr_t>(d, alloc::huge_page - d));
+    }
+  }
+  auto group =
+      std::make_shared<shardkit::detail::thread_group_state>(n, shardkit::thread_comm_options{});
+  std::vector<shardkit::thread_comm> comms;
+  for (int r = 0; r < n; ++r) comms.emplace_back(group, r);
+  bench::team team(n);
+  const std::function<void(int)> job = [&](int r) {
+    auto* g = grads[static_cast<std::size_t>(r)].data();
+    comms[static_cast<std::size_t>(r)].all_reduce(g, g, elems, shardkit::reduce_op::sum);
+  };
+  for (auto _ : state) team.run(job);
+  counters(state, op::all_reduce, n, bytes);
+  state.counters["bytes"] = static_cast<double>(bytes);
+  state.counters["apart_kib"] = static_cast<double>(apart) / 1024.0;
 }
 
 constexpr int latency_ops = 256;
@@ -241,6 +299,20 @@ void register_all(bench::size_set s) {
                                    bm_bound, op::all_reduce, n, b)
           ->UseRealTime()
           ->Unit(benchmark::kMicrosecond);
+    }
+    const auto placement_sizes = s == bench::size_set::tiny ? std::vector<std::size_t>{4 << 20}
+                                 : s == bench::size_set::quick
+                                     ? std::vector<std::size_t>{16 << 20}
+                                     : std::vector<std::size_t>{4 << 20, 16 << 20, 64 << 20};
+    for (std::size_t b : placement_sizes) {
+      for (const bool own : {false, true}) {
+        const std::string name =
+            "collectives/placement_all_reduce_in_place/ranks:" + std::to_string(n) +
+            "/bytes:" + std::to_string(b) + (own ? "/slots:own" : "/slots:same");
+        benchmark::RegisterBenchmark(name.c_str(), bm_placement, n, b, own)
+            ->UseRealTime()
+            ->Unit(benchmark::kMicrosecond);
+      }
     }
   }
 }

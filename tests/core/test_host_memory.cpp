@@ -3,10 +3,12 @@
 // advice turned off by SHARDKIT_HUGE_PAGES=0 and an unknown value refused; smaller ones, and
 // transient ones (ZeRO-3's gathered units, I/O staging), untouched.
 // Values never depend on it (every other test runs with the advice on).
+#include <shardkit/comm/thread.hpp>
 #include <shardkit/core/memory.hpp>
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -14,6 +16,8 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -74,11 +78,6 @@ struct env_guard {
   ~env_guard() { ::unsetenv("SHARDKIT_HUGE_PAGES"); }
 };
 
-std::uintptr_t block_of(const void* p) {
-  const auto at = reinterpret_cast<std::uintptr_t>(p);
-  return at - at % alloc::page;
-}
-
 }  // namespace
 
 TEST_CASE("host memory: large buffers sit on 2 MiB boundaries, smaller ones keep their alignment",
@@ -88,7 +87,10 @@ TEST_CASE("host memory: large buffers sit on 2 MiB boundaries, smaller ones keep
     for (int k = 0; k < 3; ++k) {  // three consecutive slots of the stagger
       shardkit::buffer<std::byte> b(bytes, nullptr, shardkit::memory_category::comm_scratch);
       INFO(bytes << " bytes, allocation " << k);
-      CHECK(block_of(b.data()) % alloc::huge_page == 0);
+      // On a 2 MiB boundary, then this thread's slot of the stagger across threads, then the
+      // stagger within a page.
+      const auto at = reinterpret_cast<std::uintptr_t>(b.data());
+      CHECK(at % alloc::huge_page - at % alloc::page == alloc::thread_step * alloc::thread_slot());
       CHECK(reinterpret_cast<std::uintptr_t>(b.data()) % alloc::alignment == 0);
       CHECK(b.data()[bytes - 1] == std::byte{0});
     }
@@ -103,6 +105,66 @@ TEST_CASE("host memory: large buffers sit on 2 MiB boundaries, smaller ones keep
   CHECK(shardkit::long_lived(shardkit::memory_category::grad_buckets));
   CHECK_FALSE(shardkit::long_lived(shardkit::memory_category::gathered_params));
   CHECK_FALSE(shardkit::long_lived(shardkit::memory_category::io_staging));
+}
+
+namespace {
+
+// Distance of a and b modulo 2 MiB, the shorter way round.
+std::uintptr_t distance_mod_huge_page(std::uintptr_t a, std::uintptr_t b) {
+  const std::uintptr_t d = (a - b) % alloc::huge_page;
+  return d < alloc::huge_page - d ? d : alloc::huge_page - d;
+}
+
+// The first pair of addresses closer than `least` modulo 2 MiB, as text; empty if none.
+std::string closest_pair(const std::vector<std::uintptr_t>& at, std::uintptr_t least) {
+  for (std::size_t i = 0; i < at.size(); ++i) {
+    for (std::size_t j = i + 1; j < at.size(); ++j) {
+      const auto d = distance_mod_huge_page(at[i], at[j]);
+      if (d < least) {
+        return "buffers " + std::to_string(i) + " and " + std::to_string(j) + " are " +
+               std::to_string(d) + " bytes apart modulo 2 MiB";
+      }
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("host memory: thread ranks' large buffers start on distinct slots modulo 2 MiB",
+          "[memory][placement]") {
+  // Every rank allocates the same buffers in the same order (as the engine does); the
+  // collectives then stream all ranks' buffers at the same offsets. The stagger within a page
+  // is the same on every rank, so the ranks' buffers are a whole thread_step apart.
+  const std::size_t bytes = 4 * alloc::huge_page + 4096;
+  for (const int ranks : {2, 4, 8}) {
+    const auto at = shardkit::run_ranks(ranks, [&](shardkit::thread_comm& c) {
+      shardkit::buffer<std::byte> first(alloc::huge_threshold, nullptr,
+                                        shardkit::memory_category::grads);
+      shardkit::buffer<std::byte> b(bytes, nullptr, shardkit::memory_category::grads);
+      // Catch2's assertions are not thread-safe: the rank's slot is checked below.
+      const bool own_slot = alloc::thread_slot() == static_cast<std::size_t>(c.rank());
+      return own_slot ? reinterpret_cast<std::uintptr_t>(b.data()) : std::uintptr_t{0};
+    });
+    INFO(ranks << " ranks");
+    CHECK(std::count(at.begin(), at.end(), std::uintptr_t{0}) == 0);
+    const std::string close = closest_pair(at, alloc::thread_step);
+    CHECK(close.empty());
+    if (!close.empty()) WARN(close);
+  }
+  // Threads that are not ranks take the slots in turn.
+  std::vector<std::uintptr_t> at(alloc::thread_slots);
+  std::vector<std::thread> threads;
+  for (std::size_t t = 0; t < at.size(); ++t) {
+    threads.emplace_back([&at, t, bytes] {
+      shardkit::buffer<std::byte> b(bytes, nullptr, shardkit::memory_category::grads);
+      at[t] = reinterpret_cast<std::uintptr_t>(b.data());
+    });
+    threads.back().join();  // one after another: each takes the next slot
+  }
+  const std::string close = closest_pair(at, alloc::thread_step);
+  CHECK(close.empty());
+  if (!close.empty()) WARN(close);
 }
 
 #if defined(__linux__)

@@ -62,22 +62,28 @@ std::uintptr_t at(const T* base, flat_coords coords, const flat_layout::piece& p
   return reinterpret_cast<std::uintptr_t>(base + i);
 }
 
-// Builds the engine of `Stage` on N thread ranks (units of a d x d weight and a d bias; large
-// enough that every buffer is a large, page-backed allocation) and checks every rank's streams.
-template <int Stage>
-std::vector<std::string> engine_streams(int N, std::size_t d, std::size_t units) {
-  using engine_t = engine<thread_comm, stage<Stage>, bf16, adamw>;
-  model_spec model;
-  std::vector<std::vector<float>> init;
+// A model of `units` units, each a d x d weight and a d bias, whose initial values `init` holds.
+model_spec units_model(std::vector<std::vector<float>>& init, std::size_t d, std::size_t units) {
   for (std::size_t u = 0; u < units; ++u) {
     init.emplace_back(d * d, 0.01f);
     init.emplace_back(d, 0.0f);
   }
+  model_spec model;
   for (std::size_t u = 0; u < units; ++u) {
     model.begin_unit("layer" + std::to_string(u));
     model.add("layer" + std::to_string(u) + ".weight", init[2 * u]);
     model.add("layer" + std::to_string(u) + ".bias", init[2 * u + 1]);
   }
+  return model;
+}
+
+// Builds the engine of `Stage` on N thread ranks (units of a d x d weight and a d bias; large
+// enough that every buffer is a large, page-backed allocation) and checks every rank's streams.
+template <int Stage>
+std::vector<std::string> engine_streams(int N, std::size_t d, std::size_t units) {
+  using engine_t = engine<thread_comm, stage<Stage>, bf16, adamw>;
+  std::vector<std::vector<float>> init;
+  const model_spec model = units_model(init, d, units);
   return run_ranks(N, [&](thread_comm& c) -> std::string {
     engine_t e(c, model, adam_options{.lr = 1e-3f});
     const flat_layout& layout = e.layout();  // 1-way at stage 0: every rank steps shard 0
@@ -110,6 +116,60 @@ void check_engine(int N) {
     CHECK(f.empty());
     if (!f.empty()) WARN(f);
   }
+}
+
+// Across ranks: the thread communicator's collectives stream every rank's gradients (the
+// all-reduce and the reduce-scatter) and working parameters (the all-gather) at the same
+// offsets at once. Those buffers are 2 MiB-aligned (long-lived, 2 MiB or more), so unless the
+// ranks' copies are staggered apart they agree in their low 21 address bits. Checked: every
+// pair of ranks' copies at least 28 KiB apart modulo 2 MiB (one slot of the stagger across
+// threads, less the stagger within a page, which may differ where the rank's slice does).
+template <int Stage>
+void check_across_ranks(int N) {
+  using engine_t = engine<thread_comm, stage<Stage>, bf16, adamw>;
+  using alloc = space_allocator<host_space>;
+  constexpr std::size_t d = 1024, units = 2;  // 2.1M parameters: 4.2 MB of bf16
+  std::vector<std::vector<float>> init;
+  const model_spec model = units_model(init, d, units);
+  struct placed {
+    std::uintptr_t grads = 0, working = 0;  // 0: under 2 MiB, not on a 2 MiB boundary
+  };
+  const auto at = run_ranks(N, [&](thread_comm& c) {
+    engine_t e(c, model, adam_options{.lr = 1e-3f});
+    const auto grads = e.gradients().gradients();
+    const auto working = e.parameters().working();
+    placed p;
+    if (grads.size * sizeof(bf16) >= alloc::huge_threshold) {
+      p.grads = reinterpret_cast<std::uintptr_t>(grads.data);
+    }
+    if (working.size * sizeof(bf16) >= alloc::huge_threshold) {
+      p.working = reinterpret_cast<std::uintptr_t>(working.data);
+    }
+    return p;
+  });
+  constexpr std::uintptr_t huge = alloc::huge_page;
+  const auto apart = [](std::uintptr_t a, std::uintptr_t b) {
+    const std::uintptr_t x = (a - b) % huge;
+    return x < huge - x ? x : huge - x;
+  };
+  const std::uintptr_t least = alloc::thread_step - page;
+  int checked = 0;
+  for (int r = 0; r < N; ++r) {
+    for (int q = r + 1; q < N; ++q) {
+      const auto& a = at[static_cast<std::size_t>(r)];
+      const auto& b = at[static_cast<std::size_t>(q)];
+      INFO("stage " << Stage << ", N = " << N << ", ranks " << r << " and " << q);
+      if (a.grads != 0 && b.grads != 0) {
+        CHECK(apart(a.grads, b.grads) >= least);
+        ++checked;
+      }
+      if (a.working != 0 && b.working != 0) {
+        CHECK(apart(a.working, b.working) >= least);
+        ++checked;
+      }
+    }
+  }
+  CHECK(checked > 0);  // the model is large enough that some buffer is on 2 MiB boundaries
 }
 
 }  // namespace
@@ -147,4 +207,12 @@ TEST_CASE("the fused step's streams do not alias modulo 4 KiB: stage 2", "[place
 TEST_CASE("the fused step's streams do not alias modulo 4 KiB: stage 3", "[placement]") {
   check_engine<3>(2);
   check_engine<3>(4);
+}
+
+TEST_CASE("the ranks' gradients and working parameters do not agree modulo 2 MiB", "[placement]") {
+  check_across_ranks<0>(2);
+  check_across_ranks<0>(4);
+  check_across_ranks<1>(4);
+  check_across_ranks<2>(4);
+  check_across_ranks<3>(2);
 }

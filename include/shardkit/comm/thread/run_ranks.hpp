@@ -104,6 +104,10 @@ auto run_ranks(int ranks, F&& fn, thread_comm_options opts = {}) {
   threads.reserve(n);
   for (int r = 0; r < ranks; ++r) {
     threads.emplace_back([ctx, f, r] {
+      // Rank r's large host buffers start on its own slot of the stagger across threads, so
+      // that the ranks' buffers, which the collectives stream at the same offsets, do not agree
+      // modulo 2 MiB (core/memory.hpp).
+      space_allocator<host_space>::set_thread_slot(static_cast<std::size_t>(r));
       auto& comm = ctx->comms[static_cast<std::size_t>(r)];
       try {
         if constexpr (std::is_void_v<R>) {
