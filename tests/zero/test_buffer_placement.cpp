@@ -30,9 +30,10 @@ namespace {
 constexpr std::uintptr_t page = 4096;
 constexpr std::uintptr_t min_distance = 256;
 
-std::uintptr_t cyclic_distance(std::uintptr_t a, std::uintptr_t b) {
-  const std::uintptr_t d = (a - b) % page;
-  return d < page - d ? d : page - d;
+// The distance of a and b modulo `modulus`, the shorter way round.
+std::uintptr_t cyclic_distance(std::uintptr_t a, std::uintptr_t b, std::uintptr_t modulus = page) {
+  const std::uintptr_t d = (a - b) % modulus;
+  return d < modulus - d ? d : modulus - d;
 }
 
 struct stream {
@@ -147,11 +148,6 @@ void check_across_ranks(int N) {
     }
     return p;
   });
-  constexpr std::uintptr_t huge = alloc::huge_page;
-  const auto apart = [](std::uintptr_t a, std::uintptr_t b) {
-    const std::uintptr_t x = (a - b) % huge;
-    return x < huge - x ? x : huge - x;
-  };
   const std::uintptr_t least = alloc::thread_step - page;
   int checked = 0;
   for (int r = 0; r < N; ++r) {
@@ -160,11 +156,11 @@ void check_across_ranks(int N) {
       const auto& b = at[static_cast<std::size_t>(q)];
       INFO("stage " << Stage << ", N = " << N << ", ranks " << r << " and " << q);
       if (a.grads != 0 && b.grads != 0) {
-        CHECK(apart(a.grads, b.grads) >= least);
+        CHECK(cyclic_distance(a.grads, b.grads, alloc::huge_page) >= least);
         ++checked;
       }
       if (a.working != 0 && b.working != 0) {
-        CHECK(apart(a.working, b.working) >= least);
+        CHECK(cyclic_distance(a.working, b.working, alloc::huge_page) >= least);
         ++checked;
       }
     }
