@@ -23,6 +23,20 @@
 #include <sys/mman.h>
 #endif
 
+// Long-lived blocks of 2 MiB or more are mappings of their own (mmap) on Linux, except under
+// AddressSanitizer, whose allocator then still sees every buffer and its overflows.
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define SHARDKIT_DETAIL_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define SHARDKIT_DETAIL_ASAN 1
+#endif
+#if defined(__linux__) && !defined(SHARDKIT_DETAIL_ASAN)
+#define SHARDKIT_DETAIL_MAP_BLOCKS 1
+#endif
+
 SHARDKIT_CORE_NAMESPACE_BEGIN
 
 //! Ordinary host memory.
@@ -78,18 +92,19 @@ constexpr bool long_lived(memory_category c) noexcept {
 //!
 //! Long-lived allocations (`huge`: what a buffer of a category that lives across steps asks
 //! for, long_lived()) of at least `huge_threshold` bytes (2 MiB) are also aligned to 2 MiB and,
-//! on Linux, advised to use transparent huge pages (madvise MADV_HUGEPAGE). A step that streams
-//! seven arrays of tens of megabytes misses the TLB on every 4 KiB of every array otherwise, and
-//! under a hypervisor each miss walks two page tables: on this kind of machine (a VM) the fused
-//! fp32 AdamW step ran 1.03-1.28x faster on 2 MiB pages, median about 1.1x (benchmarks/README.md).
-//! The advice changes speed only, never values; a kernel without transparent huge pages ignores
-//! it. Only whole 2 MiB ranges get huge pages, so beyond the stagger below the resident memory
-//! stays what was asked for; the 2 MiB alignment is address space, not memory. Transient
-//! buffers (ZeRO-3's gathered units, I/O staging) are left on ordinary pages: they are
-//! allocated and freed every step, and faulting in fresh huge pages each time (the kernel
-//! clears 2 MiB per fault) made a ZeRO-3 step of 4M parameters 1.4x slower.
-//! `SHARDKIT_HUGE_PAGES=0` turns the advice off (`1`, the default, keeps it on); any other value
-//! is an invalid_argument error at the next large allocation.
+//! on Linux, mappings of their own (fresh pages, unmapped when freed: map_block) advised to use
+//! transparent huge pages (madvise MADV_HUGEPAGE). A step that streams seven arrays of tens of
+//! megabytes misses the TLB on every 4 KiB of every array otherwise, and under a hypervisor each
+//! miss walks two page tables: on this kind of machine (a VM) the fused fp32 AdamW step
+//! ran 1.03-1.28x faster on 2 MiB pages, median about 1.1x (benchmarks/README.md). The advice
+//! changes speed only, never values; a kernel without transparent huge pages ignores it. Only whole
+//! 2 MiB ranges get huge pages, so beyond the stagger below the resident memory stays what was
+//! asked for; the 2 MiB alignment is address space, not memory. Transient buffers (ZeRO-3's
+//! gathered units, I/O staging) are left on ordinary pages: they are allocated and freed every
+//! step, and faulting in fresh huge pages each time (the kernel clears 2 MiB per fault) made a
+//! ZeRO-3 step of 4M parameters 1.4x slower. `SHARDKIT_HUGE_PAGES=0` turns the advice off (`1`, the
+//! default, keeps it on); any other value is an invalid_argument error at the next large
+//! allocation.
 //!
 //! Allocations on 2 MiB boundaries are staggered across threads as well: each starts a further
 //! `thread_step` (32 KiB) × the allocating thread's slot past its boundary, slots 0 ..
@@ -117,6 +132,13 @@ struct space_allocator<host_space> {
   static constexpr std::size_t huge_threshold = huge_page;
   static constexpr std::size_t thread_step = std::size_t{32} << 10;
   static constexpr std::size_t thread_slots = 8;
+  //! Whether a long-lived block of 2 MiB or more is a mapping of its own, of pages nothing
+  //! touched before (Linux, but not under AddressSanitizer); see map_block.
+#if defined(SHARDKIT_DETAIL_MAP_BLOCKS)
+  static constexpr bool own_mappings = true;
+#else
+  static constexpr bool own_mappings = false;
+#endif
   static_assert(thread_step * (thread_slots - 1) + page <= huge_page,
                 "the stagger of an allocation on a 2 MiB boundary stays within its first 2 MiB");
 
@@ -164,15 +186,9 @@ struct space_allocator<host_space> {
     const std::size_t offset =
         across_threads + (slot + page - hot % page / alignment * alignment) % page;
     const std::size_t total = checked_add(bytes, offset, "host allocation: bytes + page stagger");
+    if (block_alignment(bytes, huge) == huge_page) return map_block(total, advise) + offset;
     auto* base = static_cast<std::byte*>(
         ::operator new (total, std::align_val_t{block_alignment(bytes, huge)}));
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    // Before the first touch, so that the first faults already map huge pages. A failure (no
-    // transparent huge pages in this kernel) leaves ordinary pages: nothing to report.
-    if (advise) (void)::madvise(base, total / page * page, MADV_HUGEPAGE);
-#else
-    (void)advise;
-#endif
     return base + offset;
   }
   static void deallocate(void* p, std::size_t bytes, bool huge = false) noexcept {
@@ -185,13 +201,67 @@ struct space_allocator<host_space> {
     // page, or under 2 MiB on a 2 MiB boundary).
     const auto at = reinterpret_cast<std::uintptr_t>(p);
     const std::size_t block = block_alignment(bytes, huge);
-    ::operator delete (reinterpret_cast<void*>(at - at % block), std::align_val_t{block});
+    auto* base = reinterpret_cast<std::byte*>(at - at % block);
+    if (block == huge_page) {
+      unmap_block(base, static_cast<std::size_t>(at % block) + bytes);
+      return;
+    }
+    ::operator delete (base, std::align_val_t{block});
   }
   static void zero(void* p, std::size_t bytes) noexcept {
     if (bytes != 0) std::memset(p, 0, bytes);
   }
 
  private:
+  //! A block of `total` bytes on a 2 MiB boundary, of pages nothing has touched yet (`advise`:
+  //! advised to use huge pages). On Linux it is a mapping of its own: malloc serves large
+  //! requests from memory freed earlier once its mmap threshold has risen (glibc raises it to
+  //! the size of every mmap'ed block freed, up to 32 MiB), and pages already faulted in on
+  //! 4 KiB stay so whatever the advice. An engine built after another one was destroyed then
+  //! ran on 4 KiB pages: over MPI at N = 2 its in-place all-gather of 16 MiB took 2.0 ms instead
+  //! of 0.9 ms (benchmarks/README.md).
+  static std::byte* map_block(std::size_t total, bool advise) {
+#if defined(SHARDKIT_DETAIL_MAP_BLOCKS)
+    const std::size_t length = checked_round_up(total, page, "host allocation: whole pages");
+    const std::size_t reserve =
+        checked_add(length, huge_page - page, "host allocation: 2 MiB alignment");
+    void* const m =
+        ::mmap(nullptr, reserve, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) throw std::bad_alloc();
+    auto* const first = static_cast<std::byte*>(m);
+    const auto at = reinterpret_cast<std::uintptr_t>(first);
+    std::byte* const base = first + (huge_page - at % huge_page) % huge_page;
+    // Unmap what lies before the boundary and after the block.
+    if (base != first) (void)::munmap(first, static_cast<std::size_t>(base - first));
+    if (std::byte* const end = base + length; end != first + reserve)
+      (void)::munmap(end, static_cast<std::size_t>(first + reserve - end));
+#if defined(MADV_HUGEPAGE)
+    // Before the first touch, so that the first faults already map huge pages. A failure (no
+    // transparent huge pages in this kernel) leaves ordinary pages: nothing to report.
+    if (advise) (void)::madvise(base, length, MADV_HUGEPAGE);
+#else
+    (void)advise;
+#endif
+    return base;
+#else
+    auto* const base = static_cast<std::byte*>(::operator new (total, std::align_val_t{huge_page}));
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (advise) (void)::madvise(base, total / page * page, MADV_HUGEPAGE);
+#else
+    (void)advise;
+#endif
+    return base;
+#endif
+  }
+  //! Releases a block of map_block(total).
+  static void unmap_block(std::byte* base, std::size_t total) noexcept {
+#if defined(SHARDKIT_DETAIL_MAP_BLOCKS)
+    (void)::munmap(base, (total + page - 1) / page * page);  // fits: map_block checked it
+#else
+    (void)total;
+    ::operator delete (base, std::align_val_t{huge_page});
+#endif
+  }
   static std::size_t next_slot() noexcept {
     thread_local std::size_t slot = 0;
     return slot++;
