@@ -390,13 +390,18 @@ void check_reduce(std::size_t k, std::size_t n, reduce_op op) {
     REQUIRE(std::bit_cast<std::uint32_t>(static_cast<float>(out[i])) ==
             std::bit_cast<std::uint32_t>(static_cast<float>(T(acc))));
   }
-  // in place: out aliases the first input
-  std::vector<T> first = in[0];
-  ptrs[0] = first.data();
-  host::reduce_ordered(ptrs.data(), k, first.data(), n, op);
-  for (std::size_t i = 0; i < n; ++i)
-    REQUIRE(std::bit_cast<std::uint32_t>(static_cast<float>(first[i])) ==
-            std::bit_cast<std::uint32_t>(static_cast<float>(out[i])));
+  // In place: out aliases input j, the first, a middle or the last one (mpi_comm reduces a
+  // rank's own block where it lies, in place).
+  for (const std::size_t j : {std::size_t{0}, k / 2, k - 1}) {
+    if (k == 0) break;
+    CAPTURE(j);
+    std::vector<T> mine = in[j];
+    for (std::size_t q = 0; q < k; ++q) ptrs[q] = q == j ? mine.data() : in[q].data();
+    host::reduce_ordered(ptrs.data(), k, mine.data(), n, op);
+    for (std::size_t i = 0; i < n; ++i)
+      REQUIRE(std::bit_cast<std::uint32_t>(static_cast<float>(mine[i])) ==
+              std::bit_cast<std::uint32_t>(static_cast<float>(out[i])));
+  }
 }
 }  // namespace
 

@@ -14,8 +14,9 @@
 //! **Bit-identical to thread_comm.** MPI only moves bytes; shardkit reduces, in rank order
 //! 0..N-1 with host::reduce_ordered (fp32 accumulation for bf16/fp16), so every result equals
 //! the thread communicator's for the same inputs, bit for bit, whatever MPI's own algorithms:
-//!  - reduce_scatter(count c): an all-to-all hands each rank every rank's c elements of its own
-//!    slice (into scratch), which it then reduces in rank order into `out`.
+//!  - reduce_scatter(count c): an all-to-all (MPI_Ialltoallv) hands each rank every other
+//!    rank's c elements of its own slice (into scratch), which it then reduces in rank order,
+//!    its own c elements read where they lie, into `out`.
 //!  - all_reduce(n): the same over the chunks of comm/volume.hpp (rank r owns chunk_size(n, N, r)
 //!    elements; MPI_Ialltoallv for uneven chunks), then an all-gather (MPI_Iallgatherv, in place)
 //!    of the reduced chunks. Each rank sends n - n_r + (N-1)·n_r elements, which sums over the

@@ -3,11 +3,14 @@
 //! calls (comm/mpi.hpp has the overview). A collective of more than `max_call_elems` elements per
 //! block is split into several MPI calls (strided datatypes for the per-peer blocks). Stage 0 is
 //! the first MPI exchange: barrier, broadcast, all-gather and all-to-all are done when it
-//! completes; reduce-scatter receives every rank's block of its slice into scratch (an
-//! all-to-all) and reduces it in rank order on the host (host::reduce_ordered), so that every
-//! rank's result is bit-identical to the thread communicator's; all-reduce does the same for its
-//! chunk (an all-to-all-v), then all-gathers the reduced chunks on the second communicator
-//! (stage 1). comm/mpi/state.hpp queues the collectives and drives these stages in issue order.
+//! completes; reduce-scatter receives every other rank's block of its slice into scratch (an
+//! all-to-all-v that skips the rank's own block) and reduces them and its own block, read where
+//! it lies, in rank order on the host (host::reduce_ordered), so that every rank's result is
+//! bit-identical to the thread communicator's; all-reduce does the same for its chunk, then
+//! all-gathers the reduced chunks on the second communicator (stage 1). Leaving the own block
+//! out of the exchange saves copying it to scratch and back: 1/N of the bytes each rank reads
+//! and writes, and of its scratch. comm/mpi/state.hpp queues the collectives and drives these
+//! stages in issue order.
 #pragma once
 
 #include <shardkit/comm/communicator.hpp>
@@ -20,6 +23,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstddef>
 #include <vector>
 
@@ -50,20 +54,29 @@ struct mpi_stages {
     const auto r = static_cast<std::size_t>(rank);
     std::vector<const void*> src(N);
     if (d.kind == collective::reduce_scatter) {
+      // This rank's own block of its slice in the input; in place, that is the output itself.
       for (const auto& p : op.parts) {
-        for (std::size_t q = 0; q < N; ++q) src[q] = op.scratch.get() + p.scratch + q * p.len * e;
+        for (std::size_t q = 0; q < N; ++q) {
+          src[q] = q == r ? op.in + (r * d.count + p.begin) * e
+                          : op.scratch.get() + p.scratch + peer_slot(q) * p.len * e;
+        }
         host::reduce_ordered(d.type, src.data(), N, op.out + p.begin * e, p.len, d.op);
       }
     } else if (d.kind == collective::all_reduce) {
       for (const auto& p : op.parts) {
         const std::size_t mine = chunk_size(p.len, N, r);
-        for (std::size_t q = 0; q < N; ++q) src[q] = op.scratch.get() + p.scratch + q * mine * e;
-        host::reduce_ordered(d.type, src.data(), N,
-                             op.out + (p.begin + chunk_begin(p.len, N, r)) * e, mine, d.op);
+        const std::size_t at = (p.begin + chunk_begin(p.len, N, r)) * e;
+        for (std::size_t q = 0; q < N; ++q) {
+          src[q] = q == r ? op.in + at : op.scratch.get() + p.scratch + peer_slot(q) * mine * e;
+        }
+        host::reduce_ordered(d.type, src.data(), N, op.out + at, mine, d.op);
       }
       op.scratch.reset();
       const MPI_Datatype t = mpi_datatype(d.type);
       for (auto& p : op.parts) {
+        // The all-to-all-v is complete: its send counts become the all-gather's counts, this
+        // rank's own chunk included.
+        p.counts[r] = static_cast<int>(chunk_size(p.len, N, r));
         MPI_Request req = MPI_REQUEST_NULL;
         check(MPI_Iallgatherv(MPI_IN_PLACE, 0, t, op.out + p.begin * e, p.counts.data(),
                               p.displs.data(), t, phase2, &req),
@@ -147,21 +160,37 @@ struct mpi_stages {
         break;
       }
       case collective::reduce_scatter: {
+        // Every other rank's block of this rank's slice, into scratch in rank order without this
+        // rank; its own block is reduced where it lies (finish_first_stage).
         pieces(c);
-        if (c != 0) op.scratch.reset(new std::byte[N * c * e]);
+        if (c != 0 && N > 1) op.scratch.reset(new std::byte[(N - 1) * c * e]);
+        // Displacements in elements while they fit an int; per-peer block types otherwise.
+        const bool plain = op.parts.size() == 1 && N * c <= static_cast<std::size_t>(INT_MAX);
         for (auto& p : op.parts) {
-          p.scratch = N * p.begin * e;
+          p.scratch = (N - 1) * p.begin * e;
           std::byte* recv = op.scratch.get() + p.scratch;
-          if (p.len == c) {
-            issued(MPI_Ialltoall(op.in, static_cast<int>(c), t, recv, static_cast<int>(c), t, comm,
-                                 &req),
-                   "MPI_Ialltoall");
+          const int n = plain ? static_cast<int>(c) : 1;
+          p.counts.assign(N, n);
+          p.recv_counts.assign(N, n);
+          p.counts[r] = p.recv_counts[r] = 0;
+          p.displs.resize(N);
+          p.recv_displs.resize(N);
+          for (std::size_t q = 0; q < N; ++q) {
+            p.displs[q] = static_cast<int>(q) * n;
+            p.recv_displs[q] = q == r ? 0 : static_cast<int>(peer_slot(q)) * n;
+          }
+          if (plain) {
+            issued(MPI_Ialltoallv(op.in, p.counts.data(), p.displs.data(), t, recv,
+                                  p.recv_counts.data(), p.recv_displs.data(), t, comm, &req),
+                   "MPI_Ialltoallv");
           } else {
-            mpi_type_holder block;
-            make_strided(block, t, p.len, c * e, op);
-            issued(MPI_Ialltoall(op.in + p.begin * e, 1, block.type, recv, static_cast<int>(p.len),
-                                 t, comm, &req),
-                   "MPI_Ialltoall");
+            mpi_type_holder send_block, recv_block;
+            make_strided(send_block, t, p.len, c * e, op);
+            make_strided(recv_block, t, p.len, p.len * e, op);
+            issued(MPI_Ialltoallv(op.in + p.begin * e, p.counts.data(), p.displs.data(),
+                                  send_block.type, recv, p.recv_counts.data(), p.recv_displs.data(),
+                                  recv_block.type, comm, &req),
+                   "MPI_Ialltoallv");
           }
         }
         break;
@@ -178,10 +207,12 @@ struct mpi_stages {
           for (std::size_t q = 0; q < N; ++q) {
             p.counts[q] = static_cast<int>(chunk_size(p.len, N, q));
             p.displs[q] = static_cast<int>(chunk_begin(p.len, N, q));
-            p.recv_displs[q] = static_cast<int>(q * mine);
+            p.recv_displs[q] = q == r ? 0 : static_cast<int>(peer_slot(q) * mine);
           }
+          // This rank's own chunk stays where it is (finish_first_stage reads it there).
+          p.counts[r] = p.recv_counts[r] = 0;
           p.scratch = scratch_bytes;
-          scratch_bytes += N * mine * e;
+          scratch_bytes += (N - 1) * mine * e;
         }
         if (scratch_bytes != 0) op.scratch.reset(new std::byte[scratch_bytes]);
         for (auto& p : op.parts) {
@@ -196,6 +227,10 @@ struct mpi_stages {
   }
 
  private:
+  // Where peer q's block lies in scratch, which holds every rank's but this one's, in rank order.
+  std::size_t peer_slot(std::size_t q) const noexcept {
+    return q < static_cast<std::size_t>(rank) ? q : q - 1;
+  }
   // A datatype of `len` elements of `t` whose extent is `stride_bytes`: one per-peer block of a
   // collective that is split into several MPI calls.
   void make_strided(mpi_type_holder& h, MPI_Datatype t, std::size_t len, std::size_t stride_bytes,

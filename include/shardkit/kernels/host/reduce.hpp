@@ -168,6 +168,8 @@ struct reduce_to_kernel {
 }  // namespace detail
 
 //! Reduces k arrays of n elements element-wise in the fixed order in[0], in[1], ..., in[k-1].
+//! `out` may be one of the inputs (each element is read from every input before it is
+//! written); it must not overlap them otherwise.
 template <element_type T>
 void reduce_ordered(const T* const* in, std::size_t k, T* out, std::size_t n, reduce_op op) {
   if (n == 0 || k == 0) return;
@@ -257,7 +259,8 @@ void reduce_ordered_to(const T* const* in, std::size_t k, T* const* out, std::si
 inline constexpr std::size_t reduce_grain = 65536;
 
 //! reduce_ordered on the threads of `exec` (nullptr: the caller's only): the same bits, each
-//! thread reducing a contiguous piece of every input in the same rank order.
+//! thread reducing a contiguous piece of every input in the same rank order. As there, `out`
+//! may be one of the inputs.
 template <element_type T>
 void parallel_reduce_ordered(executor* exec, const T* const* in, std::size_t k, T* out,
                              std::size_t n, reduce_op op) {
