@@ -179,17 +179,14 @@ struct space_allocator<host_space> {
   static void* allocate(std::size_t bytes, std::size_t hot = 0, bool huge = false) {
     if (bytes == 0) return nullptr;
     if (bytes < stagger_threshold) return ::operator new (bytes, std::align_val_t{alignment});
-    const bool advise = block_alignment(bytes, huge) == huge_page && huge_pages_enabled();
+    const bool on_huge = block_alignment(bytes, huge) == huge_page;
     const std::size_t slot = stagger_step * (next_slot() % stagger_slots);
-    const std::size_t across_threads =
-        block_alignment(bytes, huge) == huge_page ? thread_step * thread_slot() : 0;
+    const std::size_t across_threads = on_huge ? thread_step * thread_slot() : 0;
     const std::size_t offset =
         across_threads + (slot + page - hot % page / alignment * alignment) % page;
     const std::size_t total = checked_add(bytes, offset, "host allocation: bytes + page stagger");
-    if (block_alignment(bytes, huge) == huge_page) return map_block(total, advise) + offset;
-    auto* base = static_cast<std::byte*>(
-        ::operator new (total, std::align_val_t{block_alignment(bytes, huge)}));
-    return base + offset;
+    if (on_huge) return map_block(total, huge_pages_enabled()) + offset;
+    return static_cast<std::byte*>(::operator new (total, std::align_val_t{page})) + offset;
   }
   static void deallocate(void* p, std::size_t bytes, bool huge = false) noexcept {
     if (p == nullptr) return;
@@ -235,22 +232,20 @@ struct space_allocator<host_space> {
     if (base != first) (void)::munmap(first, static_cast<std::size_t>(base - first));
     if (std::byte* const end = base + length; end != first + reserve)
       (void)::munmap(end, static_cast<std::size_t>(first + reserve - end));
-#if defined(MADV_HUGEPAGE)
-    // Before the first touch, so that the first faults already map huge pages. A failure (no
-    // transparent huge pages in this kernel) leaves ordinary pages: nothing to report.
-    if (advise) (void)::madvise(base, length, MADV_HUGEPAGE);
-#else
-    (void)advise;
-#endif
+    if (advise) advise_huge_pages(base, length);
     return base;
 #else
     auto* const base = static_cast<std::byte*>(::operator new (total, std::align_val_t{huge_page}));
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    if (advise) (void)::madvise(base, total / page * page, MADV_HUGEPAGE);
-#else
-    (void)advise;
-#endif
+    if (advise) advise_huge_pages(base, total / page * page);
     return base;
+#endif
+  }
+  //! Advises [p, p + length) (whole pages) to use huge pages, before the first touch, so that
+  //! the first faults already map them. A failure (no transparent huge pages in this kernel)
+  //! leaves ordinary pages: nothing to report.
+  static void advise_huge_pages([[maybe_unused]] void* p, [[maybe_unused]] std::size_t length) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    (void)::madvise(p, length, MADV_HUGEPAGE);
 #endif
   }
   //! Releases a block of map_block(total).
