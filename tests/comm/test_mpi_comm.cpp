@@ -10,6 +10,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -134,6 +135,103 @@ TEST_CASE("collectives larger than max_call_elems are carried by several MPI cal
         if (first.empty()) first = e;
       }
       return first;
+    }));
+  }
+}
+
+TEST_CASE("reduction scratch is kept for later collectives up to its bound, and counted",
+          "[mpi][memory]") {
+  for (int n : {2, 3}) {
+    if (!test::fits<mpi_world>(n)) continue;
+    CAPTURE(n);
+    test::require_all_ok(mpi_world::run(n, [](mpi_comm& c) -> std::string {
+      const auto N = static_cast<std::size_t>(c.size());
+      const auto r = static_cast<std::size_t>(c.rank());
+      constexpr std::size_t elems = 6000;
+      // An all-reduce's scratch: every other rank's chunk of this rank's part.
+      const std::size_t A = (N - 1) * chunk_size(elems, N, r) * sizeof(float);
+      std::string failed;
+      auto expect = [&](bool ok, const std::string& what) {
+        if (!ok && failed.empty()) failed = what;
+      };
+      auto all_reduce = [&](mpi_comm& p, std::vector<float>& x) {
+        std::fill(x.begin(), x.end(), static_cast<float>(p.rank() + 1));
+        return p.all_reduce_async(x.data(), x.data(), x.size());
+      };
+      const float sum = static_cast<float>(N * (N + 1) / 2);
+      std::vector<float> x(elems), y(elems);
+      memory_ledger ledger;
+      auto scratch = [&] { return ledger.current(memory_category::comm_scratch); };
+      auto peak = [&] { return ledger.peak(memory_category::comm_scratch); };
+      {
+        auto opts = c.options();
+        opts.ledger = &ledger;  // and the default bound, far above these blocks
+        auto p = mpi_comm::duplicate(c.native(), opts);
+        all_reduce(p, x).wait();
+        expect(scratch() == A && peak() == A, "one all-reduce keeps its block");
+        all_reduce(p, y).wait();
+        expect(peak() == A, "the second all-reduce reuses the kept block");
+        {
+          auto wx = all_reduce(p, x);
+          auto wy = all_reduce(p, y);  // two in flight: one more block
+          wx.wait();
+          wy.wait();
+        }
+        expect(peak() == 2 * A && scratch() == 2 * A, "two in flight keep two blocks");
+        // A block of a small reduce-scatter: not lent one of the large kept blocks (more than
+        // twice its size), and kept as well.
+        std::vector<float> in(10 * N, 1.0f), out(10);
+        p.reduce_scatter(in.data(), out.data(), 10);
+        expect(scratch() == 2 * A + (N - 1) * 10 * sizeof(float),
+               "a small reduce-scatter gets a block of its own");
+        expect(out[0] == static_cast<float>(N), "the small reduce-scatter's result");
+        const std::string results =
+            test::coll::check_everything<mpi_comm, float>(p, {5, 1000, elems}) +
+            test::coll::check_everything<mpi_comm, bf16>(p, {13, 1000});
+        expect(results.empty(), "results with kept scratch: " + results);
+      }
+      expect(scratch() == 0, "the communicator frees what it kept");
+
+      ledger.reset_peaks();
+      {
+        auto opts = c.options();
+        opts.ledger = &ledger;
+        opts.scratch_cache_bytes = A;  // room for one all-reduce block
+        auto p = mpi_comm::duplicate(c.native(), opts);
+        {
+          auto wx = all_reduce(p, x);
+          auto wy = all_reduce(p, y);
+          wx.wait();
+          wy.wait();
+        }
+        expect(peak() == 2 * A && scratch() == A, "a bound of one block keeps one");
+        const std::string results =
+            test::coll::check_everything<mpi_comm, float>(p, {5, 1000, elems});
+        expect(results.empty(), "results with a bound of one block: " + results);
+      }
+      ledger.reset_peaks();
+      {
+        auto opts = c.options();
+        opts.ledger = &ledger;
+        opts.scratch_cache_bytes = 0;
+        opts.progress = mpi_progress::thread;  // blocks come back on the progress thread
+        auto p = mpi_comm::duplicate(c.native(), opts);
+        auto w = all_reduce(p, x);
+        const auto deadline = std::chrono::steady_clock::now() + 20s;
+        while (p.traffic().calls(collective::all_reduce) == 0 &&
+               std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(1ms);
+        }
+        // Done on the progress thread, but only calls on the communicator free (and count).
+        expect(scratch() == A, "the progress thread leaves the ledger alone");
+        w.wait();
+        expect(scratch() == 0 && peak() == A, "a bound of 0 frees every block");
+        const std::string results =
+            test::coll::check_everything<mpi_comm, float>(p, {5, 1000, elems});
+        expect(results.empty(), "results without kept scratch: " + results);
+      }
+      expect(x[0] == sum && y[elems - 1] == sum, "all-reduce results");
+      return failed;
     }));
   }
 }

@@ -75,17 +75,23 @@
 //! `mpi_comm_options::max_call_elems` elements per peer is carried by several MPI calls (strided
 //! derived datatypes for the per-peer blocks). The result and the recorded bytes do not change.
 //!
-//! **Memory.** reduce_scatter and all_reduce receive every rank's contribution to this rank's
-//! slice before reducing it: a transient scratch of N·count (reduce_scatter) or about n
-//! (all_reduce) elements per collective in flight, freed when it completes.
+//! **Memory.** reduce_scatter and all_reduce receive every other rank's contribution to this
+//! rank's slice before reducing it: scratch of (N−1)·count (reduce_scatter) or about (N−1)/N·n
+//! (all_reduce) elements per collective in flight. When a collective is done, its scratch is kept
+//! for the next ones, up to `mpi_comm_options::scratch_cache_bytes` (256 MiB by default; 0 frees
+//! every block at once) per communicator: a block allocated per call is, beyond glibc's mmap
+//! threshold, fresh pages that the kernel clears and faults in on every call (a quarter of a
+//! 67M-parameter model's stage-0 step at N = 2). `mpi_comm_options::ledger`
+//! counts the scratch, kept blocks included, as comm_scratch (comm/detail/scratch_cache.hpp).
 //!
 //! One endpoint is used by one thread at a time (besides its own progress thread).
 //!
-//! Files: mpi/support.hpp (options, datatypes, errors), mpi/signatures.hpp (how errors name
-//! ranks, the divergence signatures), mpi/stages.hpp (each collective as MPI non-blocking calls
-//! and its rank-ordered reduction), mpi/state.hpp (the transport: queue, progress, timeouts,
-//! matching check), mpi/communicator.hpp (mpi_comm and
-//! mpi_work, behind comm/detail/frontend.hpp), mpi/main.hpp (mpi_main, mpi_session).
+//! Files: mpi/support.hpp (options, datatypes, errors, one collective's state),
+//! mpi/signatures.hpp (how errors name ranks, the divergence signatures), mpi/stages.hpp (each
+//! collective as MPI non-blocking calls and its rank-ordered reduction), mpi/state.hpp (the
+//! transport: queue, progress, timeouts, matching check, scratch cache), mpi/communicator.hpp
+//! (mpi_comm and mpi_work, behind comm/detail/frontend.hpp), mpi/main.hpp (mpi_main,
+//! mpi_session); comm/detail/scratch_cache.hpp keeps the reductions' scratch.
 #pragma once
 
 #include <shardkit/comm/mpi/communicator.hpp>

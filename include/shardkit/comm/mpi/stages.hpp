@@ -37,7 +37,8 @@ struct mpi_stages {
   int rank = 0;
   int size = 1;
   int world = -1;  //!< this rank in MPI_COMM_WORLD for messages, or -1 (comm is the world)
-  std::size_t max_call_elems = 0;  //!< most elements per block in one MPI call
+  std::size_t max_call_elems = 0;    //!< most elements per block in one MPI call
+  scratch_cache* scratch = nullptr;  //!< lends the reductions' scratch, takes it back
 
   //! Throws comm_error naming `op` and this rank when an MPI call failed (the message is built
   //! only then).
@@ -71,7 +72,7 @@ struct mpi_stages {
         }
         host::reduce_ordered(d.type, src.data(), N, op.out + at, mine, d.op);
       }
-      op.scratch.reset();
+      scratch->give(std::move(op.scratch));
       const MPI_Datatype t = mpi_datatype(d.type);
       for (auto& p : op.parts) {
         // The all-to-all-v is complete: its send counts become the all-gather's counts, this
@@ -86,7 +87,7 @@ struct mpi_stages {
       op.stage = 1;
       return;
     }
-    op.scratch.reset();
+    scratch->give(std::move(op.scratch));
     op.stage = 2;
   }
 
@@ -163,7 +164,7 @@ struct mpi_stages {
         // Every other rank's block of this rank's slice, into scratch in rank order without this
         // rank; its own block is reduced where it lies (finish_first_stage).
         pieces(c);
-        if (c != 0 && N > 1) op.scratch.reset(new std::byte[(N - 1) * c * e]);
+        op.scratch = scratch->take((N - 1) * c * e);
         // Displacements in elements while they fit an int; per-peer block types otherwise.
         const bool plain = op.parts.size() == 1 && N * c <= static_cast<std::size_t>(INT_MAX);
         for (auto& p : op.parts) {
@@ -214,7 +215,7 @@ struct mpi_stages {
           p.scratch = scratch_bytes;
           scratch_bytes += (N - 1) * mine * e;
         }
-        if (scratch_bytes != 0) op.scratch.reset(new std::byte[scratch_bytes]);
+        op.scratch = scratch->take(scratch_bytes);
         for (auto& p : op.parts) {
           issued(MPI_Ialltoallv(op.in + p.begin * e, p.counts.data(), p.displs.data(), t,
                                 op.scratch.get() + p.scratch, p.recv_counts.data(),

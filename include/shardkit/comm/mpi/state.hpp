@@ -14,6 +14,7 @@
 
 #include <shardkit/comm/communicator.hpp>
 #include <shardkit/comm/detail/frontend.hpp>
+#include <shardkit/comm/detail/scratch_cache.hpp>
 #include <shardkit/comm/mpi/signatures.hpp>
 #include <shardkit/comm/mpi/stages.hpp>
 #include <shardkit/comm/mpi/support.hpp>
@@ -48,7 +49,11 @@ namespace detail {
 class mpi_state {
  public:
   mpi_state(MPI_Comm comm, MPI_Comm phase2, bool owns_comm, mpi_comm_options opts)
-      : comm_(comm), phase2_(phase2), owns_comm_(owns_comm), opts_(opts) {
+      : comm_(comm),
+        phase2_(phase2),
+        owns_comm_(owns_comm),
+        opts_(opts),
+        scratch_(opts.scratch_cache_bytes, opts.ledger) {
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
     names_ = mpi_names(comm_);
@@ -84,6 +89,7 @@ class mpi_state {
       broken_ = concat(op->what(), " could not be started on ", me());
       throw;
     }
+    scratch_.trim();
     return op;
   }
 
@@ -91,12 +97,14 @@ class mpi_state {
   void wait(std::unique_lock<std::mutex>& lk, const mpi_op& op) {
     poll(
         lk, [&] { return op.done(); }, [&] { return op.what(); });
+    scratch_.trim();
     if (op.error) std::rethrow_exception(op.error);
   }
 
   //! One step of progress; true when `op` is done.
   bool test(const mpi_op& op) {
     if (!op.done() && broken_.empty()) drive();
+    scratch_.trim();
     return op.done();
   }
 
@@ -331,8 +339,8 @@ class mpi_state {
   }
 
   //! The MPI calls of this endpoint's collectives (comm/mpi/stages.hpp).
-  mpi_stages stages() const noexcept {
-    return {comm_, phase2_, rank_, size_, world_arg(), opts_.max_call_elems};
+  mpi_stages stages() noexcept {
+    return {comm_, phase2_, rank_, size_, world_arg(), opts_.max_call_elems, &scratch_};
   }
 
   // Starts gathering every rank's signature of `op` (before op itself, in issue order on
@@ -403,7 +411,7 @@ class mpi_state {
   }
 
   // Throws comm_error naming `op` when an MPI call failed (the message is built only then).
-  void check(int rc, const char* mpi_function, const mpi_op& op) const {
+  void check(int rc, const char* mpi_function, const mpi_op& op) {
     stages().check(rc, mpi_function, op);
   }
 
@@ -428,6 +436,10 @@ class mpi_state {
   MPI_Comm phase2_;  // all_reduce's all-gathers, started in completion (= issue) order
   bool owns_comm_;
   mpi_comm_options opts_;
+  // The reductions' scratch, kept between collectives up to opts_.scratch_cache_bytes; given
+  // back wherever a collective completes (also on the progress thread), trimmed (and counted
+  // in opts_.ledger) only in calls on the communicator.
+  scratch_cache scratch_;
   int rank_ = 0;
   int size_ = 1;
   traffic_ledger traffic_;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <shardkit/comm/communicator.hpp>
+#include <shardkit/comm/detail/scratch_cache.hpp>
 #include <shardkit/comm/volume.hpp>
 #include <shardkit/config.hpp>
 #include <shardkit/core/dtype.hpp>
@@ -76,6 +77,15 @@ struct mpi_comm_options {
   //! Most elements one MPI call carries per peer, in [1, 2^30]; larger collectives are split
   //! into several calls. The default keeps every message under 1 GiB.
   std::size_t max_call_elems = std::size_t{1} << 27;
+  //! Most bytes of scratch the communicator keeps for its next collectives once the ones that
+  //! used it are done (reduce-scatter and all-reduce receive the other ranks' blocks into
+  //! scratch: see "Memory" in comm/mpi.hpp). 0: every collective frees its own. Each
+  //! communicator (split() and duplicate() make new ones) keeps its own.
+  std::size_t scratch_cache_bytes = std::size_t{256} << 20;
+  //! Where the scratch is counted (memory_category::comm_scratch), kept blocks included; may be
+  //! null. It must outlive the communicator, and is updated only in calls on the communicator
+  //! (never by its progress thread), like an engine's own ledger.
+  memory_ledger* ledger = nullptr;
 };
 
 class mpi_comm;
@@ -171,7 +181,7 @@ struct mpi_op {
   const std::byte* in = nullptr;
   std::byte* out = nullptr;
   std::vector<part> parts;
-  std::unique_ptr<std::byte[]> scratch;
+  scratch_block scratch;  //!< lent by the endpoint's scratch_cache, given back when reduced
   std::vector<MPI_Request> requests;
   //! detect_divergence: every rank's signature of this collective (signature_fields each),
   //! the request that gathers them, and whether they were compared.
