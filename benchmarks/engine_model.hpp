@@ -10,6 +10,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -127,6 +129,34 @@ inline double bytes_per_param(int stage, int ranks) {
 //! ranks together, plus the model's fp32 initial values.
 inline double run_bytes(std::size_t params, int stage, int ranks) {
   return static_cast<double>(params) * (ranks * bytes_per_param(stage, ranks) + 4);
+}
+
+//! The process's anonymous memory and how much of it is on transparent huge pages, from
+//! /proc/self/smaps_rollup (Linux; nothing elsewhere). The engine's long-lived buffers ask for
+//! huge pages (core/memory.hpp); whether a run got them changes its speed, so the benches say.
+struct anon_memory {
+  double anonymous_mib = 0;
+  double huge_mib = 0;
+  double huge_share() const { return anonymous_mib > 0 ? huge_mib / anonymous_mib : 0; }
+};
+inline std::optional<anon_memory> read_anon_memory() {
+  std::FILE* f = std::fopen("/proc/self/smaps_rollup", "r");
+  if (f == nullptr) return std::nullopt;
+  anon_memory m;
+  bool found = false;
+  char line[256];
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    unsigned long long kb = 0;
+    if (std::sscanf(line, "Anonymous: %llu kB", &kb) == 1) {
+      m.anonymous_mib = static_cast<double>(kb) / 1024;
+      found = true;
+    } else if (std::sscanf(line, "AnonHugePages: %llu kB", &kb) == 1) {
+      m.huge_mib = static_cast<double>(kb) / 1024;
+    }
+  }
+  std::fclose(f);
+  if (!found) return std::nullopt;
+  return m;
 }
 
 }  // namespace bench

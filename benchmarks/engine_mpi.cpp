@@ -65,6 +65,7 @@ struct result {
   double median_s, min_s, ratio;
   std::uint64_t sent;
   int steps;
+  double huge_share;  // lowest over ranks; -1: not known
 };
 
 // One engine of stage S, type-erased: what a round needs.
@@ -181,6 +182,10 @@ int main(int argc, char** argv) {
         sent[s] = run[s].step();
         first[s] = time_steps(raw, 1, run[s].step);
       }
+      // How much of each rank's anonymous memory the kernel put on huge pages, after warm-up.
+      const auto mem = bench::read_anon_memory();
+      double lowest = mem ? mem->huge_share() : -1.0;
+      MPI_Allreduce(MPI_IN_PLACE, &lowest, 1, MPI_DOUBLE, MPI_MIN, raw);
       int steps = static_cast<int>(
           std::clamp(0.05 / *std::max_element(first.begin(), first.end()), 1.0, 50.0));
       MPI_Bcast(&steps, 1, MPI_INT, 0, raw);
@@ -189,9 +194,15 @@ int main(int argc, char** argv) {
         for (int s = 0; s < 4; ++s) t[s].push_back(time_steps(raw, steps, run[s].step));
         for (int s = 0; s < 4; ++s) q[s].push_back(t[s].back() / t[0].back());
       }
+      if (root && mem && lowest >= 0) {
+        std::printf(
+            "%-8s huge pages: %.0f%% of rank 0's %.0f MiB of anonymous memory (lowest "
+            "rank: %.0f%%)\n",
+            bench::psi_label(P).c_str(), 100 * mem->huge_share(), mem->anonymous_mib, 100 * lowest);
+      }
       for (int s = 0; s < 4; ++s) {
         results.push_back({P, s, median(t[s]), *std::min_element(t[s].begin(), t[s].end()),
-                           median(q[s]), sent[s], steps});
+                           median(q[s]), sent[s], steps, lowest});
         if (root) {
           const auto& r = results.back();
           std::printf("%-8s %12zu %6d %10.3f %10.3f %7.3fx %14llu\n", bench::psi_label(P).c_str(),
@@ -213,9 +224,10 @@ int main(int argc, char** argv) {
         const auto& r = results[i];
         std::fprintf(f,
                      "  {\"params\": %zu, \"stage\": %d, \"median_s\": %.9g, \"min_s\": %.9g, "
-                     "\"ratio\": %.6g, \"sent\": %llu, \"steps_per_timing\": %d}%s\n",
+                     "\"ratio\": %.6g, \"sent\": %llu, \"steps_per_timing\": %d, "
+                     "\"huge_page_share\": %.4g}%s\n",
                      r.params, r.stage, r.median_s, r.min_s, r.ratio,
-                     static_cast<unsigned long long>(r.sent), r.steps,
+                     static_cast<unsigned long long>(r.sent), r.steps, r.huge_share,
                      i + 1 < results.size() ? "," : "");
       }
       std::fprintf(f, " ]}\n");
