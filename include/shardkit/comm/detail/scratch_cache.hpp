@@ -36,7 +36,9 @@ SHARDKIT_NAMESPACE_BEGIN
 namespace detail {
 
 //! `bytes` bytes of host scratch (not zeroed), counted as comm_scratch in `ledger` (may be null)
-//! while it lives. Move-only.
+//! while it lives. Move-only. Not a buffer<std::byte>: that zeroes its memory (a pass over every
+//! block a collective allocates), and a category decides whether it is long-lived, where here
+//! the cache's bound does.
 class scratch_block {
  public:
   scratch_block() = default;
@@ -137,7 +139,11 @@ class scratch_cache {
   }
 
   //! Frees kept blocks until at most `capacity` bytes are kept, keeping the largest that fit.
+  //! Called after every call on the communicator; sorts only when over the bound.
   void trim() noexcept {
+    std::size_t kept = 0;
+    for (const auto& b : kept_) kept += b.bytes();
+    if (kept <= capacity_) return;
     std::sort(kept_.begin(), kept_.end(),
               [](const scratch_block& a, const scratch_block& b) { return a.bytes() > b.bytes(); });
     std::size_t held = 0;
@@ -149,13 +155,6 @@ class scratch_cache {
       }
     }
     std::erase_if(kept_, [](const scratch_block& b) { return !b; });
-  }
-
-  //! Bytes of the blocks kept now (not lent out).
-  std::size_t kept_bytes() const noexcept {
-    std::size_t n = 0;
-    for (const auto& b : kept_) n += b.bytes();
-    return n;
   }
 
  private:
