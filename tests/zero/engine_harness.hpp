@@ -267,12 +267,17 @@ std::vector<outcome> train(int N, const model_case& mc, const run_config& cfg) {
               " communicated before the last micro-batch's step()");
       }
       const auto rep = eng.step();
-      if (stage == 3) {
-        check(
-            eng.memory().current(shardkit::memory_category::gathered_params) == persistent_live * w,
-            "after step() ", eng.memory().current(shardkit::memory_category::gathered_params),
-            " bytes of gathered parameters are held; only the persistent units' ",
-            persistent_live * w, " should be");
+      if constexpr (stage == 3) {
+        // Only the persistent units, and with keep_gathered_buffers the buffers kept for the
+        // next step's gathers (at most the window, which the peak check below bounds).
+        const std::uint64_t kept = eng.parameters().spare_elems() * w;
+        check(cfg.options.keep_gathered_buffers || kept == 0, "after step() ", kept,
+              " bytes of gathered buffers are kept without keep_gathered_buffers");
+        check(eng.memory().current(shardkit::memory_category::gathered_params) ==
+                  persistent_live * w + kept,
+              "after step() ", eng.memory().current(shardkit::memory_category::gathered_params),
+              " bytes of gathered parameters are held; only the persistent units' ",
+              persistent_live * w, " and ", kept, " bytes kept for reuse should be");
       }
       if (inject) {
         check(rep.skipped, "step ", t, " with an infinite gradient on rank ", cfg.inject_rank,

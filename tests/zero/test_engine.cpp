@@ -38,9 +38,11 @@ void stages_agree(int n, const test::model_case& mc) {
   z3.keep_after_forward = {true};
   const auto s3b = test::train<World, zero3, W, Opt>(n, mc, z3);
   test::require_ok(s3b);
-  // ... and with small units persisting (gathered for the whole step)
+  // ... and with small units persisting (gathered for the whole step), the gathered buffers
+  // kept from one step to the next
   test::run_config z3p = cfg;
   z3p.options.persist_below = 16;
+  z3p.options.keep_gathered_buffers = true;
   const auto s3p = test::train<World, zero3, W, Opt>(n, mc, z3p);
   test::require_ok(s3p);
 

@@ -10,6 +10,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -424,7 +425,10 @@ TEMPLATE_TEST_CASE("shard_params reuses the buffers of released units, within th
   // unit, prefetching stops and one buffer serves every gather.
   const mcase mc{"four equal units", {5, 7, 5, 7, 5, 7, 5, 7}, {0, 2, 4, 6}};
   const bool limited = GENERATE(false, true);
-  CAPTURE(World::name, n, limited);
+  // keep_buffers_between_steps: the window's buffers outlive the backward and the step, and the
+  // next step gathers into them.
+  const bool keep = GENERATE(false, true);
+  CAPTURE(World::name, n, limited, keep);
   test::require_all_ok(World::run(n, [&](Comm& c) {
     checks check;
     test::comp::model_values mv(mc);
@@ -436,6 +440,7 @@ TEMPLATE_TEST_CASE("shard_params reuses the buffers of released units, within th
     shard_params_options o;
     o.prefetch = 1;
     o.max_live_elems = limited ? padded : 0;
+    o.keep_buffers_between_steps = keep;
     shard_params<Comm, bf16> sp(c, layout, static_cast<std::size_t>(c.rank()), reg, o, &mem);
     for (std::size_t i = 0; i < mc.sizes.size(); ++i) sp.load(i, mv.init[i].data(), dtype::f32);
     sp.start();
@@ -450,11 +455,16 @@ TEMPLATE_TEST_CASE("shard_params reuses the buffers of released units, within th
         }
       }
     };
-    for (int step = 0; step < 2; ++step) {
+    std::vector<const bf16*> before;  // the buffers of the step before
+    for (int step = 0; step < 3; ++step) {
       std::vector<const bf16*> at(4);
       for (std::size_t u = 0; u < 4; ++u) {
         sp.pre_forward(u);
         at[u] = sp.view(reg.unit_begin(u)).data();
+        if (keep && step > 0 && u < window) {
+          check(std::find(before.begin(), before.end(), at[u]) != before.end(), "step ", step,
+                ": unit ", u, " was not gathered into a buffer kept from the step before");
+        }
         if (u >= window) {
           check(at[u] == at[u - window], "step ", step, ": unit ", u,
                 " was not gathered into the buffer unit ", u - window, " released");
@@ -480,16 +490,71 @@ TEMPLATE_TEST_CASE("shard_params reuses the buffers of released units, within th
         check(held() <= window * padded * sizeof(bf16), "step ", step, ": after post_backward(", u,
               ") ", held(), " bytes are held, more than the window of ", window, " units");
       }
-      // The backward order is over: nothing is kept for a gather that will not come.
-      check(held() == 0 && sp.spare_elems() == 0, "step ", step, ": after the backward ", held(),
-            " bytes are held, ", sp.spare_elems(), " elements kept for reuse");
+      // The backward order is over: nothing is kept for a gather that will not come in this
+      // step; with keep, the window's buffers are kept for the next step.
+      const std::uint64_t kept = keep ? window * padded : 0;
+      check(held() == kept * sizeof(bf16) && sp.spare_elems() == kept, "step ", step,
+            ": after the backward ", held(), " bytes are held, ", sp.spare_elems(),
+            " elements kept for reuse; expected ", kept);
+      sp.release_transient();  // what the engine calls before its optimizer runs
       sp.after_step(false);
-      check(held() == 0 && sp.spare_elems() == 0, "step ", step, ": after after_step() ", held(),
-            " bytes are still held");
+      check(held() == kept * sizeof(bf16) && sp.spare_elems() == kept, "step ", step,
+            ": after after_step() ", held(), " bytes are held, ", sp.spare_elems(),
+            " elements kept for reuse; expected ", kept);
+      before = at;
     }
+    sp.free_kept();
+    check(held() == 0 && sp.spare_elems() == 0, "after free_kept() ", held(),
+          " bytes are still held");
     check(mem.peak(memory_category::gathered_params) == window * padded * sizeof(bf16),
           "gathered parameters peaked at ", mem.peak(memory_category::gathered_params),
           " bytes; the window is ", window, " units of ", padded * sizeof(bf16));
+    return check.failure;
+  }));
+}
+
+TEMPLATE_TEST_CASE("buffers kept between steps survive the regather of persistent units",
+                   "[components][shard_params]", SHARDKIT_TEST_WORLDS) {
+  using World = TestType;
+  using Comm = typename World::comm_type;
+  const int n = GENERATE(1, 2, 3);
+  if (!test::fits<World>(n)) return;
+  CAPTURE(World::name, n);
+  // Unit 0 (7 elements) persists; units 1 and 2 (41 elements each) are gathered per hook.
+  const mcase mc{"a persistent unit and two others", {3, 4, 20, 21, 20, 21}, {0, 2, 4}};
+  test::require_all_ok(World::run(n, [&](Comm& c) {
+    checks check;
+    test::comp::model_values mv(mc);
+    const param_registry reg(mv.spec);
+    const flat_layout layout(mc.sizes, reg.unit_starts(), c.size());
+    const std::uint64_t fixed = layout.group(0).padded, padded = layout.group(1).padded;
+    memory_ledger mem;
+    shard_params_options o;
+    o.prefetch = 1;
+    o.persist_below = 10;
+    o.keep_buffers_between_steps = true;
+    shard_params<Comm, bf16> sp(c, layout, static_cast<std::size_t>(c.rank()), reg, o, &mem);
+    for (std::size_t i = 0; i < mc.sizes.size(); ++i) sp.load(i, mv.init[i].data(), dtype::f32);
+    sp.start();
+    check(sp.persistent(0) && !sp.persistent(1) && !sp.persistent(2),
+          "expected unit 0 alone to persist");
+    for (int step = 0; step < 2; ++step) {
+      for (std::size_t u = 0; u < 3; ++u) {
+        sp.pre_forward(u);
+        sp.post_forward(u);
+      }
+      for (std::size_t u = 3; u-- > 0;) {
+        sp.pre_backward(u);
+        sp.post_backward(u);
+      }
+      sp.release_transient();
+      sp.after_step(true);  // regathers unit 0 from the shard
+      const std::uint64_t held = mem.current(memory_category::gathered_params);
+      check(sp.spare_elems() == 2 * padded && held == (fixed + 2 * padded) * sizeof(bf16), "step ",
+            step, ": after after_step(true) ", sp.spare_elems(), " elements are kept and ", held,
+            " bytes held; expected the two buffers of ", padded,
+            " elements besides the persistent unit's ", fixed);
+    }
     return check.failure;
   }));
 }

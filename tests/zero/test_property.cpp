@@ -100,6 +100,7 @@ property_case make_case(std::uint64_t seed, std::uint64_t k) {
     o.persist_below = chance(30) ? 16 : 0;
     o.grad_buffers = 1 + pick(2);
     if (chance(30)) cfg.keep_after_forward = {true};
+    o.keep_gathered_buffers = chance(50);
   }
   std::ostringstream s;
   s << "stage " << c.stage << ", " << (c.bf16_working ? "bf16" : "fp32") << ", " << c.ranks
@@ -114,7 +115,7 @@ property_case make_case(std::uint64_t seed, std::uint64_t k) {
     << (o.loss_scale ? "256" : "off") << ", inf at step " << cfg.inject_inf_step << " on rank "
     << cfg.inject_rank << ", bucket_elems " << o.bucket_elems << ", grad_buffers " << o.grad_buffers
     << ", prefetch " << o.prefetch << ", persist_below " << o.persist_below << ", keep first unit "
-    << !cfg.keep_after_forward.empty();
+    << !cfg.keep_after_forward.empty() << ", keep_gathered_buffers " << o.keep_gathered_buffers;
   c.text = s.str();
   return c;
 }

@@ -509,12 +509,12 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
 
   params_component make_params() {
     if constexpr (shards_params) {
-      shard_params_options o;
-      o.prefetch = options_.prefetch;
-      o.persist_below = options_.persist_below;
-      o.max_live_elems = options_.max_live_elems;
-      o.trace = options_.trace;
-      o.reuse_buffers = options_.reuse_gathered_buffers;
+      const shard_params_options o{.prefetch = options_.prefetch,
+                                   .persist_below = options_.persist_below,
+                                   .max_live_elems = options_.max_live_elems,
+                                   .trace = options_.trace,
+                                   .reuse_buffers = options_.reuse_gathered_buffers,
+                                   .keep_buffers_between_steps = options_.keep_gathered_buffers};
       return params_component(topology_.shard_group(), layout_, shard_index(), registry_, o,
                               &memory_, &log_, ops_);
     } else {
@@ -551,8 +551,8 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
   void check_units_done() {
     params_.check_idle("engine::step");
     if constexpr (shards_params) {
-      // The optimizer runs with only the persistent units held (gathered buffers kept for
-      // reuse, and prefetched units the backward did not use, are freed here).
+      // The optimizer runs with only the persistent units held (prefetched units the backward
+      // did not use are freed here; kept buffers too, unless keep_gathered_buffers).
       params_.release_transient();
       if (options_.allow_missing_grads) return;
       for (std::size_t u = 0; u < registry_.num_units(); ++u) {

@@ -57,6 +57,12 @@ struct engine_options {
   //! (shard_params_options::reuse_buffers: the same bound on what is held, counted as
   //! gathered_params; freed after the backward). Off only to measure what it saves.
   bool reuse_gathered_buffers = true;
+  //! ZeRO-3, host memory, with reuse_gathered_buffers: keep those buffers through step() for
+  //! the next step's first gathers instead of freeing them after the backward
+  //! (shard_params_options::keep_buffers_between_steps). Faster (a step allocates no gathered
+  //! buffer), at the cost of holding up to 1 + prefetch gathered buffers outside the forward and
+  //! backward too; the bound on what is held (gathered_bytes_bound()) is unchanged.
+  bool keep_gathered_buffers = false;
   //! ZeRO-2/3: at step(), check with one small all-reduce (24 bytes; shared with the overflow
   //! count when loss scaling or clipping needs one) that every rank issued the engine's
   //! collectives in the same order (same buckets/units); if not, raise usage_error on every rank
@@ -144,7 +150,8 @@ const engine_options& checked_engine_options(const engine_options& o, int stage,
 //! across ranks at construction, with the model's: zero/fingerprint.hpp): stage, element types,
 //! optimizer and every hyper-parameter of every parameter group, and every option that changes
 //! the collectives or the arithmetic. Not compared: trace, compute_stream, the host threads
-//! and executor, and reuse_gathered_buffers (local matters: they change neither).
+//! and executor, reuse_gathered_buffers and keep_gathered_buffers (local matters: they change
+//! neither).
 template <optimizer_policy Opt>
 fingerprint options_fingerprint(const engine_options& o, int stage, int ranks, dtype working,
                                 dtype grad, std::span<const typename Opt::options> groups) {

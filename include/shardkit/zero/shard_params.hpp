@@ -83,6 +83,16 @@ struct shard_params_options {
   //! stream-ordered allocator reuses memory without faults, and a buffer may still be read by
   //! compute queued on another stream).
   bool reuse_buffers = true;
+  //! Host memory, with reuse_buffers: the buffers kept at the end of a backward stay kept
+  //! through the optimizer step for the next step's first gathers, instead of being freed
+  //! after the last unit of the backward order and by release_transient() and after_step().
+  //! A step then allocates no gathered buffer (each fresh one costs its page faults, on every
+  //! step: benchmarks/README.md measures it). What is held never exceeds the same bound (the
+  //! peak is what a forward holds), but outside a forward and backward it is up to the window
+  //! (1 + prefetch buffers of the released units' size) besides the persistent units, counted
+  //! as gathered_params (spare_elems()), rather than the persistent units alone. free_kept()
+  //! frees them on demand.
+  bool keep_buffers_between_steps = false;
 };
 
 template <communicator Comm, float_storage Working>
@@ -274,13 +284,18 @@ class shard_params {
     forward_cursor_ = backward_cursor_ = 0;
   }
 
-  //! Frees every gathered unit that is not persistent, and the buffers kept for reuse.
+  //! Frees every gathered unit that is not persistent, and the buffers kept for reuse (unless
+  //! shard_params_options::keep_buffers_between_steps: then they stay, within the window).
   void release_transient() {
     for (std::size_t u = 0; u < units_.size(); ++u) {
       if (!units_[u].persistent && units_[u].st != state::released) release(u, false);
     }
-    free_spares();
+    if (!keeps_between_steps()) free_spares();
   }
+
+  //! Frees the buffers kept for reuse now (shard_params_options::keep_buffers_between_steps
+  //! keeps them from one step to the next); the next gathers allocate fresh ones.
+  void free_kept() { free_spares(); }
 
   //! Elements of the buffers of released units kept for reuse (shard_params_options::
   //! reuse_buffers): counted as gathered_params, though no unit is gathered in them.
@@ -366,7 +381,7 @@ class shard_params {
   void issue_gather(std::size_t u, bool backward) {
     auto& x = units_[u];
     const auto& ge = layout_->group(u);
-    x.gathered = take_buffer(ge.padded);
+    x.gathered = take_buffer(u, ge.padded);
     x.st = state::inflight;
     if (ge.shard != 0) {
       ops_.before_collective();
@@ -415,10 +430,15 @@ class shard_params {
   bool reusing() const noexcept {
     return std::is_same_v<memory_space, host_space> && opts_.reuse_buffers;
   }
+  bool keeps_between_steps() const noexcept {
+    return reusing() && opts_.keep_buffers_between_steps;
+  }
 
-  // A buffer of `padded` elements for a gather: a kept one of that size, or a new one (after
-  // freeing the kept ones, so that what is held stays within the window and max_live_elems).
-  buffer<Working, memory_space> take_buffer(std::size_t padded) {
+  // A buffer of `padded` elements for a gather of unit u: a kept one of that size, or a new one
+  // (after freeing the kept ones, so that what is held stays within the window and
+  // max_live_elems). A persistent unit is regathered (after_step) into a buffer the size of the
+  // one it just released, which the bound counts apart from the window: the kept ones stay.
+  buffer<Working, memory_space> take_buffer(std::size_t u, std::size_t padded) {
     for (std::size_t i = 0; i < spares_.size(); ++i) {
       if (spares_[i].size() != padded) continue;
       buffer<Working, memory_space> b = std::move(spares_[i]);
@@ -426,7 +446,7 @@ class shard_params {
       spares_.pop_back();
       return b;
     }
-    free_spares();
+    if (!units_[u].persistent) free_spares();
     [[maybe_unused]] auto on_stream = ops_.scope();
     return buffer<Working, memory_space>(padded, ledger_, memory_category::gathered_params);
   }
@@ -516,8 +536,10 @@ class shard_params {
       release(u, backward);
     }
     // The last unit of the backward order (the previous step's, or the declared one): no
-    // gather follows in this backward, so the kept buffers go now, not at the step.
-    if (backward && backward_cursor_ >= backward_order_.size()) free_spares();
+    // gather follows in this backward, so the kept buffers go now, not at the step (unless
+    // they are kept for the next step's first gathers).
+    if (backward && backward_cursor_ >= backward_order_.size() && !keeps_between_steps())
+      free_spares();
   }
 
   Comm* comm_;
