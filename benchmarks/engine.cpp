@@ -12,6 +12,9 @@
 //                                 engine_options::reuse_gathered_buffers off (every gather in
 //                                 a buffer of its own, allocated and freed): the baseline of
 //                                 the buffer reuse, for N >= 2 and Ψ >= 16M.
+//  engine/step_kept/stage:3/ranks:N/params:P    the ZeRO-3 step with
+//                                 engine_options::keep_gathered_buffers (the reused buffers
+//                                 kept from one step to the next), for N >= 2 and Ψ <= 16M.
 //
 // The model: L units, each a d x d weight and a d bias. Sizes (--size):
 //   tiny   Ψ = 8.3K and 33K, N = 1, 2 (the smoke test: seconds)
@@ -23,7 +26,11 @@
 // 3 repetitions of 1 step each whatever --benchmark_repetitions says (the full sweep then fits
 // in about 8 minutes on 2 cores). N above the core count oversubscribes the cores (N = 8 on a
 // 2-core machine): the ranks then take turns, and the time shows it. Counters: sent = data
-// bytes rank 0 sent in the step (the engine's step_report); cores = hardware threads.
+// bytes rank 0 sent in the step (the engine's step_report); cores = hardware threads;
+// fwd_ms, bwd_ms, step_call_ms = where rank 0's step went (the forward's hooks, the backward's
+// hooks and grad_ready, the call to step(): engine_model.hpp's step_phases), per iteration;
+// huge_pages = the share of the process's anonymous memory on transparent huge pages after
+// the warm-up step.
 #include <shardkit/comm/thread.hpp>
 #include <shardkit/zero/engine.hpp>
 
@@ -61,7 +68,7 @@ struct model_cache {
 };
 model_cache cache;
 
-template <int Stage, bool Reuse = true>
+template <int Stage, bool Reuse = true, bool Keep = false>
 void bm_step(benchmark::State& state, bench::model_shape shape, int ranks) {
   using engine_t = shardkit::engine<shardkit::thread_comm, shardkit::stage<Stage>, shardkit::bf16,
                                     shardkit::adamw>;
@@ -78,14 +85,20 @@ void bm_step(benchmark::State& state, bench::model_shape shape, int ranks) {
   team.run([&](int r) {
     shardkit::engine_options o;
     o.reuse_gathered_buffers = Reuse;
+    o.keep_gathered_buffers = Keep;
     engines[static_cast<std::size_t>(r)].emplace(comms[static_cast<std::size_t>(r)], model.spec,
                                                  shardkit::adam_options{.lr = 1e-4f}, o);
   });
+  bench::step_phases phases;  // rank 0's
+  bool timed = false;
   const std::function<void(int)> step = [&](int r) {
     sent[static_cast<std::size_t>(r)] = bench::full_step(*engines[static_cast<std::size_t>(r)],
-                                                         cache.grads[static_cast<std::size_t>(r)]);
+                                                         cache.grads[static_cast<std::size_t>(r)],
+                                                         r == 0 && timed ? &phases : nullptr);
   };
   team.run(step);  // warm-up: ZeRO-3 learns its prefetch order in the first step
+  const auto mem = bench::read_anon_memory();
+  timed = true;
   for (auto _ : state) team.run(step);
   team.run([&](int r) { engines[static_cast<std::size_t>(r)].reset(); });
   state.counters["stage"] = Stage;
@@ -93,6 +106,13 @@ void bm_step(benchmark::State& state, bench::model_shape shape, int ranks) {
   state.counters["params"] = static_cast<double>(shape.params());
   state.counters["sent"] = static_cast<double>(sent[0]);
   state.counters["cores"] = std::thread::hardware_concurrency();
+  const auto per_iteration = [&](double s) {
+    return benchmark::Counter(s * 1e3, benchmark::Counter::kAvgIterations);
+  };
+  state.counters["fwd_ms"] = per_iteration(phases.forward_s);
+  state.counters["bwd_ms"] = per_iteration(phases.backward_s);
+  state.counters["step_call_ms"] = per_iteration(phases.step_s);
+  if (mem) state.counters["huge_pages"] = mem->huge_share();
 }
 
 void register_all(bench::size_set s) {
@@ -136,6 +156,7 @@ void register_all(bench::size_set s) {
       reg(2, bm_step<2>);
       reg(3, bm_step<3>);
       if (n >= 2 && P >= 16 * mi) reg(3, bm_step<3, false>, "step_fresh");
+      if (n >= 2 && P <= 16 * mi) reg(3, bm_step<3, true, true>, "step_kept");
     }
   }
   if (!skipped.empty()) benchmark::AddCustomContext("engine_skipped", skipped);

@@ -8,6 +8,7 @@
 #include <shardkit/core/dtype.hpp>
 #include <shardkit/zero/model.hpp>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -82,29 +83,68 @@ struct model {
   }
 };
 
+//! Where one rank's step spent its time, in seconds: the forward's unit hooks (ZeRO-3 gathers
+//! there), the backward (hooks and grad_ready: ZeRO-0/1 copy the gradients into their flat
+//! buffer, ZeRO-2/3 also reduce-scatter each bucket as it fills, ZeRO-3 gathers again), and
+//! step() (the stage's remaining reduction, the optimizer on the rank's part, ZeRO-1/2's
+//! all-gather). The bench has no model compute, so these are shardkit's own costs.
+struct step_phases {
+  double forward_s = 0;
+  double backward_s = 0;
+  double step_s = 0;  //!< the call to step()
+
+  step_phases& operator+=(const step_phases& o) {
+    forward_s += o.forward_s;
+    backward_s += o.backward_s;
+    step_s += o.step_s;
+    return *this;
+  }
+  step_phases& operator/=(double k) {
+    forward_s /= k;
+    backward_s /= k;
+    step_s /= k;
+    return *this;
+  }
+};
+
 //! One full step of engine `e` with gradients `g` (model::grads): the unit hooks of a forward,
 //! then backward unit by unit (pre_backward, grad_ready of the unit's bias and weight,
-//! post_backward), then step(). Returns step()'s report.
+//! post_backward), then step(). Returns step()'s report; adds the time of each part to
+//! `*phases` when given (three more clock reads per step).
 template <class Engine>
-auto full_step_report(Engine& e, const std::vector<std::vector<shardkit::bf16>>& g) {
+auto full_step_report(Engine& e, const std::vector<std::vector<shardkit::bf16>>& g,
+                      step_phases* phases = nullptr) {
+  using clock = std::chrono::steady_clock;
+  const auto since = [](clock::time_point a, clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+  };
+  const auto t0 = phases ? clock::now() : clock::time_point{};
   const std::size_t units = e.num_units();
   for (std::size_t u = 0; u < units; ++u) {
     e.pre_forward(u);
     e.post_forward(u);
   }
+  const auto t1 = phases ? clock::now() : clock::time_point{};
   for (std::size_t u = units; u-- > 0;) {
     e.pre_backward(u);
     e.grad_ready(2 * u + 1, g[2 * u + 1]);
     e.grad_ready(2 * u, g[2 * u]);
     e.post_backward(u);
   }
-  return e.step();
+  const auto t2 = phases ? clock::now() : clock::time_point{};
+  auto report = e.step();
+  if (phases) {
+    const auto t3 = clock::now();
+    *phases += step_phases{since(t0, t1), since(t1, t2), since(t2, t3)};
+  }
+  return report;
 }
 
-//! full_step_report(e, g), the data bytes this rank sent in the step.
+//! full_step_report(e, g, phases), the data bytes this rank sent in the step.
 template <class Engine>
-std::uint64_t full_step(Engine& e, const std::vector<std::vector<shardkit::bf16>>& g) {
-  return full_step_report(e, g).bytes_sent;
+std::uint64_t full_step(Engine& e, const std::vector<std::vector<shardkit::bf16>>& g,
+                        step_phases* phases = nullptr) {
+  return full_step_report(e, g, phases).bytes_sent;
 }
 
 //! Bytes per parameter one rank holds at `stage` on `ranks` ranks with bf16 working parameters

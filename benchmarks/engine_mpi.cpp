@@ -8,11 +8,15 @@
 //   mpiexec -np 2 shardkit_bench_engine_mpi [--params 4M,16M,64M] [--reps 7] [--json FILE]
 //                                           [--size=tiny]
 //
-// For each Ψ the four engines (one duplicated communicator each) are built together and
-// stepped in turn, stage 0 to 3, `reps` rounds: each timing is the slowest rank's time per
+// For each Ψ five engines (one duplicated communicator each) are built together and stepped in
+// turn, `reps` rounds: stages 0 to 3, and stage 3 with engine_options::keep_gathered_buffers
+// ("3 kept": no gathered buffer allocated per step). Each timing is the slowest rank's time per
 // step (a step is done when its last rank is) over enough steps for about 50 ms; printed are
-// the median per stage and the median over rounds of the ratio to that round's stage 0.
-// --size=tiny: two small models, 3 rounds (the smoke test). A Ψ whose four engines would need
+// the median per stage and the median over rounds of the ratio to that round's stage 0, and
+// where the step's time goes: the forward's hooks, the backward (hooks and grad_ready) and the
+// call to step(), each the time of the rank slowest in that part (engine_model.hpp's
+// step_phases).
+// --size=tiny: two small models, 3 rounds (the smoke test). A Ψ whose engines would need
 // more than 12 GiB of host memory on all processes together is skipped and says so. --json
 // writes the results for scripts/bench_report.py.
 //
@@ -65,40 +69,49 @@ struct result {
   double median_s, min_s, ratio;
   std::uint64_t sent;
   int steps;
-  double huge_share;  // lowest over ranks; -1: not known
+  bool kept;                  // stage 3 with engine_options::keep_gathered_buffers
+  double huge_share;          // lowest over ranks; -1: not known
+  bench::step_phases phases;  // medians over rounds of each part's slowest rank, per step
 };
 
 // One engine of stage S, type-erased: what a round needs.
 struct stage_runner {
   std::shared_ptr<void> keep;  // the communicator and the engine
-  std::function<std::uint64_t()> step;
+  std::function<std::uint64_t(bench::step_phases*)> step;
 };
 
 template <int S>
 stage_runner make_runner(shardkit::mpi_comm& world, const bench::model& m,
-                         const std::vector<std::vector<shardkit::bf16>>& grads) {
+                         const std::vector<std::vector<shardkit::bf16>>& grads,
+                         shardkit::engine_options o = {}) {
   using engine_t =
       shardkit::engine<shardkit::mpi_comm, shardkit::stage<S>, shardkit::bf16, shardkit::adamw>;
   struct both {
     shardkit::mpi_comm comm;
     engine_t e;
-    both(shardkit::mpi_comm c, const bench::model& m)
-        : comm(std::move(c)), e(comm, m.spec, shardkit::adam_options{.lr = 1e-4f}) {}
+    both(shardkit::mpi_comm c, const bench::model& m, const shardkit::engine_options& o)
+        : comm(std::move(c)), e(comm, m.spec, shardkit::adam_options{.lr = 1e-4f}, o) {}
   };
   auto b =
-      std::make_shared<both>(shardkit::mpi_comm::duplicate(world.native(), world.options()), m);
+      std::make_shared<both>(shardkit::mpi_comm::duplicate(world.native(), world.options()), m, o);
   engine_t* e = &b->e;
-  return {b, [e, &grads] { return bench::full_step(*e, grads); }};
+  return {b, [e, &grads](bench::step_phases* ph) { return bench::full_step(*e, grads, ph); }};
 }
 
-// Seconds per step of the slowest rank, over `steps` steps.
-double time_steps(MPI_Comm comm, int steps, const std::function<std::uint64_t()>& step) {
+// Seconds per step of the slowest rank, over `steps` steps; `*phases` (when given): each
+// part's time per step on the rank slowest in that part.
+double time_steps(MPI_Comm comm, int steps, const stage_runner& run,
+                  bench::step_phases* phases = nullptr) {
+  bench::step_phases ph;
   MPI_Barrier(comm);
   const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < steps; ++i) step();
-  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / steps;
-  MPI_Allreduce(MPI_IN_PLACE, &s, 1, MPI_DOUBLE, MPI_MAX, comm);
-  return s;
+  for (int i = 0; i < steps; ++i) run.step(phases ? &ph : nullptr);
+  double s[4] = {
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / steps,
+      ph.forward_s / steps, ph.backward_s / steps, ph.step_s / steps};
+  MPI_Allreduce(MPI_IN_PLACE, s, 4, MPI_DOUBLE, MPI_MAX, comm);
+  if (phases) *phases = {s[1], s[2], s[3]};
+  return s[0];
 }
 
 double median(std::vector<double> v) {
@@ -144,10 +157,12 @@ int main(int argc, char** argv) {
     if (root) {
       std::printf(
           "engine step over mpi_comm, %d processes, bf16 + AdamW, stages 0-3 stepped in turn; "
-          "median of %d rounds of the slowest rank's time per step\n\n",
+          "median of %d rounds of the slowest rank's time per step; where it goes (fwd: the "
+          "forward's hooks, bwd: the backward's hooks and grad_ready, step(): the call), each "
+          "part's slowest rank\n\n",
           N, reps);
-      std::printf("%-8s %12s %6s %10s %10s %8s %14s\n", "params", "elements", "stage", "step ms",
-                  "min ms", "/stage0", "sent by rank 0");
+      std::printf("%-8s %12s %6s %10s %10s %8s %14s %8s %8s %8s\n", "params", "elements", "stage",
+                  "step ms", "min ms", "/stage0", "sent by rank 0", "fwd ms", "bwd ms", "step()");
       std::fflush(stdout);
     }
     std::vector<result> results;
@@ -155,12 +170,13 @@ int main(int argc, char** argv) {
     for (const auto& shape : shapes) {
       const std::size_t P = shape.params();
       double need = 0;
-      for (int s = 0; s < 4; ++s) need += bench::run_bytes(P, s, N) - 4.0 * static_cast<double>(P);
+      for (int s : {0, 1, 2, 3, 3})
+        need += bench::run_bytes(P, s, N) - 4.0 * static_cast<double>(P);
       need += 4.0 * N * static_cast<double>(P);
       if (need > memory_cap) {
         char why[160];
         std::snprintf(why, sizeof why,
-                      "%zu parameters: the four engines need about %.1f GiB of host memory "
+                      "%zu parameters: the five engines need about %.1f GiB of host memory "
                       "(> %.0f GiB)",
                       P, need / (1u << 30), memory_cap / (1u << 30));
         if (root) std::printf("skipped %s\n", why);
@@ -174,13 +190,18 @@ int main(int argc, char** argv) {
       run.push_back(make_runner<1>(comm, m, grads));
       run.push_back(make_runner<2>(comm, m, grads));
       run.push_back(make_runner<3>(comm, m, grads));
-      std::vector<std::uint64_t> sent(4);
+      shardkit::engine_options kept;
+      kept.keep_gathered_buffers = true;
+      run.push_back(make_runner<3>(comm, m, grads, kept));
+      const int E = static_cast<int>(run.size());
+      auto stage_of = [](int s) { return std::min(s, 3); };
+      std::vector<std::uint64_t> sent(E);
       // Warm-up (ZeRO-3 learns its prefetch order in the first step), then enough steps per
       // timing for about 50 ms.
-      std::vector<double> first(4);
-      for (int s = 0; s < 4; ++s) {
-        sent[s] = run[s].step();
-        first[s] = time_steps(raw, 1, run[s].step);
+      std::vector<double> first(E);
+      for (int s = 0; s < E; ++s) {
+        sent[s] = run[s].step(nullptr);
+        first[s] = time_steps(raw, 1, run[s]);
       }
       // How much of each rank's anonymous memory the kernel put on huge pages, after warm-up.
       const auto mem = bench::read_anon_memory();
@@ -189,10 +210,16 @@ int main(int argc, char** argv) {
       int steps = static_cast<int>(
           std::clamp(0.05 / *std::max_element(first.begin(), first.end()), 1.0, 50.0));
       MPI_Bcast(&steps, 1, MPI_INT, 0, raw);
-      std::vector<std::vector<double>> t(4), q(4);
+      std::vector<std::vector<double>> t(E), q(E), fwd(E), bwd(E), call(E);
       for (int rep = 0; rep < reps; ++rep) {
-        for (int s = 0; s < 4; ++s) t[s].push_back(time_steps(raw, steps, run[s].step));
-        for (int s = 0; s < 4; ++s) q[s].push_back(t[s].back() / t[0].back());
+        for (int s = 0; s < E; ++s) {
+          bench::step_phases ph;
+          t[s].push_back(time_steps(raw, steps, run[s], &ph));
+          fwd[s].push_back(ph.forward_s);
+          bwd[s].push_back(ph.backward_s);
+          call[s].push_back(ph.step_s);
+        }
+        for (int s = 0; s < E; ++s) q[s].push_back(t[s].back() / t[0].back());
       }
       if (root && mem && lowest >= 0) {
         std::printf(
@@ -200,14 +227,24 @@ int main(int argc, char** argv) {
             "rank: %.0f%%)\n",
             bench::psi_label(P).c_str(), 100 * mem->huge_share(), mem->anonymous_mib, 100 * lowest);
       }
-      for (int s = 0; s < 4; ++s) {
-        results.push_back({P, s, median(t[s]), *std::min_element(t[s].begin(), t[s].end()),
-                           median(q[s]), sent[s], steps, lowest});
+      for (int s = 0; s < E; ++s) {
+        results.push_back({P,
+                           stage_of(s),
+                           median(t[s]),
+                           *std::min_element(t[s].begin(), t[s].end()),
+                           median(q[s]),
+                           sent[s],
+                           steps,
+                           s == 4,
+                           lowest,
+                           {median(fwd[s]), median(bwd[s]), median(call[s])}});
         if (root) {
           const auto& r = results.back();
-          std::printf("%-8s %12zu %6d %10.3f %10.3f %7.3fx %14llu\n", bench::psi_label(P).c_str(),
-                      P, s, r.median_s * 1e3, r.min_s * 1e3, r.ratio,
-                      static_cast<unsigned long long>(r.sent));
+          std::printf("%-8s %12zu %6s %10.3f %10.3f %7.3fx %14llu %8.2f %8.2f %8.2f\n",
+                      bench::psi_label(P).c_str(), P,
+                      r.kept ? "3 kept" : std::to_string(r.stage).c_str(), r.median_s * 1e3,
+                      r.min_s * 1e3, r.ratio, static_cast<unsigned long long>(r.sent),
+                      r.phases.forward_s * 1e3, r.phases.backward_s * 1e3, r.phases.step_s * 1e3);
           std::fflush(stdout);
         }
       }
@@ -223,11 +260,14 @@ int main(int argc, char** argv) {
       for (std::size_t i = 0; i < results.size(); ++i) {
         const auto& r = results[i];
         std::fprintf(f,
-                     "  {\"params\": %zu, \"stage\": %d, \"median_s\": %.9g, \"min_s\": %.9g, "
+                     "  {\"params\": %zu, \"stage\": %d, \"kept_gathered_buffers\": %s, "
+                     "\"median_s\": %.9g, \"min_s\": %.9g, "
                      "\"ratio\": %.6g, \"sent\": %llu, \"steps_per_timing\": %d, "
-                     "\"huge_page_share\": %.4g}%s\n",
-                     r.params, r.stage, r.median_s, r.min_s, r.ratio,
+                     "\"huge_page_share\": %.4g, \"forward_s\": %.9g, \"backward_s\": %.9g, "
+                     "\"step_call_s\": %.9g}%s\n",
+                     r.params, r.stage, r.kept ? "true" : "false", r.median_s, r.min_s, r.ratio,
                      static_cast<unsigned long long>(r.sent), r.steps, r.huge_share,
+                     r.phases.forward_s, r.phases.backward_s, r.phases.step_s,
                      i + 1 < results.size() ? "," : "");
       }
       std::fprintf(f, " ]}\n");

@@ -373,12 +373,15 @@ def engine(rows, out, plt, targets, context=None):
     the ratio of each stage to stage 0 at the same Ψ and N. (Older runs had no ranks key: N = 4.)"""
     by = {}
     fresh = {}  # engine/step_fresh: ZeRO-3 without reusing gathered buffers, by (N, Ψ)
+    kept = {}  # engine/step_kept: ZeRO-3 keeping its gathered buffers between steps, by (N, Ψ)
     for name, r in rows.items():
         _, op, k = parse(name)
         n = int(k.get("ranks", r.get("ranks", 4)))
         key = (int(k["stage"]), n, int(k.get("params", r.get("params", 0))))
         if op == "step_fresh":
             fresh[key[1:]] = r
+        elif op == "step_kept":
+            kept[key[1:]] = r
         else:
             by[key] = r
     if not by:
@@ -423,6 +426,20 @@ def engine(rows, out, plt, targets, context=None):
             a, b = fresh[(n, p)]["t"], by[(3, n, p)]["t"]
             md.append(f"| {fmt_params(p)} | {n} | {a * 1e3:.2f} | {b * 1e3:.2f} | "
                       f"{ratio(a / b)} |")
+    pairs = [(n, p) for (n, p) in sorted(kept) if (3, n, p) in by and (0, n, p) in by]
+    if pairs:
+        md += ["", "ZeRO-3 with `engine_options::keep_gathered_buffers` (the reused buffers kept "
+               "from one step to the next, so a step allocates none) against the default, same "
+               "run; rank 0's forward hooks (where ZeRO-3 gathers) in brackets:", "",
+               "| Ψ | N | stage 3, buffers kept (ms) | stage 3 (ms) | kept / default | "
+               "kept / stage 0 |", "|---:|---:|---:|---:|---:|---:|"]
+        for n, p in pairs:
+            a, b, z = kept[(n, p)], by[(3, n, p)], by[(0, n, p)]
+            fa, fb = a.get("fwd_ms"), b.get("fwd_ms")
+            br = (lambda f: f" ({f:.2f})" if f is not None else "")
+            md.append(f"| {fmt_params(p)} | {n} | {a['t'] * 1e3:.2f}{br(fa)} | "
+                      f"{b['t'] * 1e3:.2f}{br(fb)} | {ratio(a['t'] / b['t'])} | "
+                      f"{ratio(a['t'] / z['t'])} |")
     skipped = (context or {}).get("engine_skipped")
     if skipped:
         md += ["", "Skipped (host memory): " + skipped + "."]
@@ -466,11 +483,12 @@ def engine_mpi(path, out, plt, targets):
     if not res:
         return []
     n = d.get("processes")
-    by = {(r["params"], r["stage"]): r for r in res}
+    by = {(r["params"], r["stage"]): r for r in res if not r.get("kept_gathered_buffers")}
+    kept = {r["params"]: r for r in res if r.get("kept_gathered_buffers")}
     psis = sorted({r["params"] for r in res})
     stages = sorted({r["stage"] for r in res})
     md = ["### Engine step over MPI, one core per rank", "",
-          f"`shardkit_bench_engine_mpi`: {n} processes, the four stages' engines built together "
+          f"`shardkit_bench_engine_mpi`: {n} processes, the stages' engines built together "
           f"and stepped in turn; median of {d.get('reps')} rounds of the slowest rank's time "
           "per step, and the median over rounds of the ratio to the same round's stage 0.", "",
           "| Ψ | " + " | ".join(f"stage {s} (ms)" for s in stages) + " | " +
@@ -480,6 +498,22 @@ def engine_mpi(path, out, plt, targets):
         cells = [f"{by[(p, s)]['median_s'] * 1e3:.2f}" if (p, s) in by else "–" for s in stages]
         qs = [ratio(by[(p, s)]["ratio"]) if (p, s) in by else "–" for s in stages if s != 0]
         md.append(f"| {fmt_params(p)} | " + " | ".join(cells) + " | " + " | ".join(qs) + " |")
+    if kept:
+        md += ["", "Stage 3 with `engine_options::keep_gathered_buffers` (its gathered buffers "
+               "kept from one step to the next), stepped in the same rounds: " +
+               ", ".join(f"{fmt_params(p)}: {kept[p]['median_s'] * 1e3:.2f} ms, "
+                         f"{ratio(kept[p]['ratio'])} stage 0" for p in sorted(kept)) + "."]
+    if any("forward_s" in r for r in res):
+        md += ["", "Where the step's time goes (ms; each part's slowest rank, medians over the "
+               "rounds): the forward's hooks (ZeRO-3 gathers there), the backward's hooks and "
+               "`grad_ready` (ZeRO-2/3 reduce-scatter there), and `step()`.", "",
+               "| Ψ | stage | forward | backward | step() |", "|---:|---:|---:|---:|---:|"]
+        rows_ = [(p, str(s), by[(p, s)]) for p in psis for s in stages if (p, s) in by]
+        rows_ += [(p, "3, kept", kept[p]) for p in sorted(kept)]
+        for p, label, r in sorted(rows_, key=lambda x: (x[0], x[1])):
+            if "forward_s" in r:
+                md.append(f"| {fmt_params(p)} | {label} | {r['forward_s'] * 1e3:.2f} | "
+                          f"{r['backward_s'] * 1e3:.2f} | {r['step_call_s'] * 1e3:.2f} |")
     if d.get("skipped"):
         md += ["", "Skipped (host memory): " + "; ".join(d["skipped"]) + "."]
     for s, lim in ENGINE_MPI_TARGETS:
