@@ -99,12 +99,6 @@ struct step_phases {
     step_s += o.step_s;
     return *this;
   }
-  step_phases& operator/=(double k) {
-    forward_s /= k;
-    backward_s /= k;
-    step_s /= k;
-    return *this;
-  }
 };
 
 //! One full step of engine `e` with gradients `g` (model::grads): the unit hooks of a forward,

@@ -69,13 +69,15 @@ struct result {
   double median_s, min_s, ratio;
   std::uint64_t sent;
   int steps;
-  bool kept;                  // stage 3 with engine_options::keep_gathered_buffers
+  bool kept;                  // engine_options::keep_gathered_buffers
   double huge_share;          // lowest over ranks; -1: not known
   bench::step_phases phases;  // medians over rounds of each part's slowest rank, per step
 };
 
 // One engine of stage S, type-erased: what a round needs.
 struct stage_runner {
+  int stage;
+  bool kept;                   // engine_options::keep_gathered_buffers
   std::shared_ptr<void> keep;  // the communicator and the engine
   std::function<std::uint64_t(bench::step_phases*)> step;
 };
@@ -95,7 +97,8 @@ stage_runner make_runner(shardkit::mpi_comm& world, const bench::model& m,
   auto b =
       std::make_shared<both>(shardkit::mpi_comm::duplicate(world.native(), world.options()), m, o);
   engine_t* e = &b->e;
-  return {b, [e, &grads](bench::step_phases* ph) { return bench::full_step(*e, grads, ph); }};
+  return {S, o.keep_gathered_buffers, b,
+          [e, &grads](bench::step_phases* ph) { return bench::full_step(*e, grads, ph); }};
 }
 
 // Seconds per step of the slowest rank, over `steps` steps; `*phases` (when given): each
@@ -194,7 +197,6 @@ int main(int argc, char** argv) {
       kept.keep_gathered_buffers = true;
       run.push_back(make_runner<3>(comm, m, grads, kept));
       const int E = static_cast<int>(run.size());
-      auto stage_of = [](int s) { return std::min(s, 3); };
       std::vector<std::uint64_t> sent(E);
       // Warm-up (ZeRO-3 learns its prefetch order in the first step), then enough steps per
       // timing for about 50 ms.
@@ -229,13 +231,13 @@ int main(int argc, char** argv) {
       }
       for (int s = 0; s < E; ++s) {
         results.push_back({P,
-                           stage_of(s),
+                           run[s].stage,
                            median(t[s]),
                            *std::min_element(t[s].begin(), t[s].end()),
                            median(q[s]),
                            sent[s],
                            steps,
-                           s == 4,
+                           run[s].kept,
                            lowest,
                            {median(fwd[s]), median(bwd[s]), median(call[s])}});
         if (root) {

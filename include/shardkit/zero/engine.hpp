@@ -551,8 +551,8 @@ class engine : public engine_reports<engine<Comm, Policies, Working, Optimizer, 
   void check_units_done() {
     params_.check_idle("engine::step");
     if constexpr (shards_params) {
-      // The optimizer runs with only the persistent units held (prefetched units the backward
-      // did not use are freed here; kept buffers too, unless keep_gathered_buffers).
+      // The optimizer runs with the persistent units held (and, with keep_gathered_buffers, the
+      // kept buffers): prefetched units the backward did not use are freed here.
       params_.release_transient();
       if (options_.allow_missing_grads) return;
       for (std::size_t u = 0; u < registry_.num_units(); ++u) {
