@@ -8,6 +8,13 @@
 //                            stores from host::streaming_threshold() on)
 //  convert/cast_<..>_cached  the same with ordinary stores, at the sizes where the casts stream
 //  convert/memcpy            baseline: memcpy of half the traffic (so the same bytes move)
+//  convert/prefetch_<op>/prefetch:on|off
+//                            flatten_f32_bf16 and the four casts with software prefetch forced
+//                            on and off (kernels/host/prefetch.hpp), 16Mi and 64Mi elements:
+//                            the measurement behind host::software_prefetch()'s default on this
+//                            processor. flatten_bf16 is the control: a bf16 -> bf16 flatten is
+//                            a memcpy that prefetch does not touch, so its two rows differ only
+//                            by the pairing's own bias (the two runs' buffers lie elsewhere)
 //  convert/cast_read_f32_bf16_{cached,streaming}
 //                            a cast fp32 -> bf16 and then a read of its output, with either kind
 //                            of store (2Mi-32Mi elements): where streaming stores start to pay
@@ -18,6 +25,7 @@
 #include <shardkit/core/layout.hpp>
 #include <shardkit/kernels/host/batched_copy.hpp>
 #include <shardkit/kernels/host/convert.hpp>
+#include <shardkit/kernels/host/prefetch.hpp>
 
 #include "common.hpp"
 
@@ -27,6 +35,7 @@
 #include <cstring>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -172,6 +181,30 @@ void register_all(bench::size_set s) {
       reg("convert/cast_bf16_f32_cached" + tail, bm_cast<bf16, float, cached>, n);
     }
     traffic.insert(6 * n);
+  }
+  // Software prefetch on and off, paired in one run (their own memcpy rows are those above).
+  const auto prefetch_sizes = s == bench::size_set::tiny ? std::vector<std::size_t>{1 << 12}
+                              : s == bench::size_set::quick
+                                  ? std::vector<std::size_t>{16 << 20}
+                                  : std::vector<std::size_t>{16 << 20, 64 << 20};
+  using bm = void (*)(benchmark::State&, std::size_t);
+  const std::pair<const char*, bm> prefetched[] = {
+      {"flatten_f32_bf16", bm_flatten<float>}, {"flatten_bf16", bm_flatten<bf16>},
+      {"cast_f32_bf16", bm_cast<float, bf16>}, {"cast_bf16_f32", bm_cast<bf16, float>},
+      {"cast_f32_f16", bm_cast<float, fp16>},  {"cast_f16_f32", bm_cast<fp16, float>}};
+  for (std::size_t n : prefetch_sizes) {
+    for (const auto& [op, fn] : prefetched) {
+      for (bool on : {true, false}) {
+        reg(
+            std::string("convert/prefetch_") + op + "/prefetch:" + (on ? "on" : "off") +
+                "/n:" + std::to_string(n),
+            [fn, on](benchmark::State& state, std::size_t m) {
+              shardkit::host::scoped_prefetch forced(on);
+              fn(state, m);
+            },
+            n);
+      }
+    }
   }
   for (std::size_t t : traffic) reg("convert/memcpy/bytes:" + std::to_string(t), bm_memcpy, t);
   const auto read_sizes =

@@ -18,7 +18,7 @@
 //                         runs (kernels/host/isa.hpp), one size, one thread
 //  optimizer/prefetch_adamw_bf16/prefetch:on|off, prefetch_adamw_fp32, prefetch_rmw
 //                         the same with software prefetch on and off (kernels/host/prefetch.hpp:
-//                         off by default on AMD processors with AVX-512), one thread
+//                         off by default on AMD's Zen 4), one thread
 //  optimizer/placement_adamw_fp32/arrays:malloc, arrays:staggered
 //                         the fp32 step, one thread, on four arrays from std::malloc (large
 //                         blocks: glibc maps them back to back, n * 4 + 4 KiB apart, as a user's

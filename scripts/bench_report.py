@@ -179,6 +179,7 @@ def optimizer(rows, out, plt, targets):
             md.append(f"| {i} | {gbs(b['bytes_per_second'])} | {gbs(f['bytes_per_second'])} | "
                       f"{gbs(r['bytes_per_second'])} | {ratio(r['t'] / b['t'])} | "
                       f"{ratio(r['t'] / f['t'])} |")
+    md += prefetch_table(rows)
     if plt and sizes:
         fig, axes = plt.subplots(1, len(threads), figsize=(6 * len(threads), 4.2), squeeze=False)
         for ax, t in zip(axes[0], threads):
@@ -200,6 +201,26 @@ def optimizer(rows, out, plt, targets):
     return md
 
 
+def prefetch_table(rows):
+    """The suite's `prefetch_<op>/prefetch:on|off` pairs (same binary, same run): how much
+    faster each loop runs with software prefetch (kernels/host/prefetch.hpp)."""
+    pairs = {}
+    for name, r in rows.items():
+        _, what, k = parse(name)
+        if what.startswith("prefetch_") and k.get("prefetch") in ("on", "off"):
+            pairs.setdefault((what[len("prefetch_"):], int(k["n"])), {})[k["prefetch"]] = r
+    lines = [(op, n, p) for (op, n), p in sorted(pairs.items()) if "on" in p and "off" in p]
+    if not lines:
+        return []
+    md = ["", "Software prefetch on and off (kernels/host/prefetch.hpp; one thread; time off / "
+          "time on above 1: prefetch pays):", "",
+          "| loop | elements | on GB/s | off GB/s | off / on |", "|---|---:|---:|---:|---:|"]
+    for op, n, p in lines:
+        md.append(f"| {op} | {fmt_size(n)} | {gbs(p['on']['bytes_per_second'])} | "
+                  f"{gbs(p['off']['bytes_per_second'])} | {ratio(p['off']['t'] / p['on']['t'])} |")
+    return md
+
+
 # ---- convert --------------------------------------------------------------------------------
 def convert(rows, out, plt, targets):
     memcpy = {}
@@ -211,7 +232,7 @@ def convert(rows, out, plt, targets):
             memcpy[int(k["bytes"])] = r
         elif what.startswith("cast_read_"):
             reads.setdefault(what.rsplit("_", 1)[1], {})[int(k["n"])] = r
-        else:
+        elif not what.startswith("prefetch_"):  # prefetch_table's
             ops.setdefault(what, {})[int(k["n"])] = r
     md = ["### Flatten/pad and casts", "",
           "Traffic = bytes read + bytes written; each operation against memcpy moving the same "
@@ -251,6 +272,7 @@ def convert(rows, out, plt, targets):
         for n in sorted(set(reads["cached"]) & set(reads["streaming"])):
             c, t = reads["cached"][n]["t"], reads["streaming"][n]["t"]
             md.append(f"| {n} | {fmt_bytes(6 * n)} | {c * 1e6:.1f} | {t * 1e6:.1f} | {ratio(c / t)} |")
+    md += prefetch_table(rows)
     if plt and ops:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for op in sorted(ops):

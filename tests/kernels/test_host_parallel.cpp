@@ -123,8 +123,8 @@ TEST_CASE(
 TEST_CASE("SHARDKIT_HOST_PREFETCH turns software prefetch on and off, other values are errors",
           "[kernels][prefetch]") {
   const auto& cpu = host::detail::cpu();
-  SECTION("unset or empty: off on AMD processors with AVX-512, on elsewhere") {
-    const bool expected = !(cpu.amd && cpu.avx512);
+  SECTION("unset or empty: off on AMD's Zen 4 (family 0x19 with AVX-512), on elsewhere") {
+    const bool expected = !(cpu.amd && cpu.avx512 && cpu.family == 0x19u);
     scoped_env e("SHARDKIT_HOST_PREFETCH", nullptr);
     REQUIRE(host::detail::software_prefetch_from_environment() == expected);
     scoped_env empty("SHARDKIT_HOST_PREFETCH", "");
@@ -159,6 +159,25 @@ TEST_CASE("SHARDKIT_HOST_PREFETCH turns software prefetch on and off, other valu
       REQUIRE_FALSE(host::software_prefetch());
     }
     REQUIRE(host::software_prefetch() == before);
+  }
+}
+
+TEST_CASE("display_family reads CPUID leaf 1 as both vendors' manuals define it",
+          "[kernels][prefetch]") {
+  // EAX of leaf 1 on processors whose family is published: base family 0xF adds the extended
+  // family, any other base family stands alone (its extended-family bits are ignored).
+  STATIC_REQUIRE(host::detail::display_family(0x00A10F11u) == 0x19u);  // AMD EPYC 9004, Zen 4
+  STATIC_REQUIRE(host::detail::display_family(0x00A00F11u) == 0x19u);  // AMD EPYC 7003, Zen 3
+  STATIC_REQUIRE(host::detail::display_family(0x00B00F21u) == 0x1Au);  // AMD EPYC 9005, Zen 5
+  STATIC_REQUIRE(host::detail::display_family(0x00830F10u) == 0x17u);  // AMD EPYC 7002, Zen 2
+  STATIC_REQUIRE(host::detail::display_family(0x000806F8u) == 6u);  // Intel Xeon, Sapphire Rapids
+  STATIC_REQUIRE(host::detail::display_family(0x0FF00600u) == 6u);  // extended bits, base 6
+  STATIC_REQUIRE(host::detail::display_family(0u) == 0u);
+  // What this machine reports agrees with its vendor: every x86-64 processor of AMD is of
+  // family 0xF or above, every one of Intel of family 6 or above.
+  const auto& cpu = host::detail::cpu();
+  if (cpu.avx2) {
+    CHECK(cpu.family >= (cpu.amd ? 0xFu : 6u));
   }
 }
 

@@ -69,8 +69,17 @@ struct cpu_features {
   bool avx2 = false;    // AVX2 and F16C, with the OS saving ymm state
   bool avx512 = false;  // AVX-512 F, BW, VL, DQ, with the OS saving zmm and mask state
   bool avx512bf16 = false;
-  bool amd = false;  // the vendor string is "AuthenticAMD" (kernels/host/prefetch.hpp)
+  bool amd = false;     // the vendor string is "AuthenticAMD" (kernels/host/prefetch.hpp)
+  unsigned family = 0;  // the display family of CPUID leaf 1 (display_family)
 };
+
+//! The display family of CPUID leaf 1's EAX: the base family, plus the extended family where
+//! the base family is 0xF (the rule of both vendors' manuals). AMD's Zen 3 and Zen 4 are family
+//! 0x19, Zen 5 0x1A; Intel's Xeons are family 6.
+constexpr unsigned display_family(unsigned eax) noexcept {
+  const unsigned base = (eax >> 8) & 0xFu;
+  return base == 0xFu ? base + ((eax >> 20) & 0xFFu) : base;
+}
 
 inline cpu_features detect_cpu() noexcept {
   cpu_features f;
@@ -79,6 +88,7 @@ inline cpu_features detect_cpu() noexcept {
   if (__get_cpuid(0, &a, &b, &c, &d) == 0) return f;
   f.amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "Auth" "enti" "cAMD"
   if (__get_cpuid(1, &a, &b, &c, &d) == 0) return f;
+  f.family = display_family(a);
   const bool osxsave = (c >> 27) & 1u, avx = (c >> 28) & 1u, f16c = (c >> 29) & 1u;
   if (!osxsave || !avx) return f;
   unsigned xlo = 0, xhi = 0;

@@ -31,7 +31,7 @@ namespace host {
 //! (benchmarks/README.md). The 16-bit working copy's line is prefetched with intent to write
 //! (its ordinary stores would otherwise wait for the line): the bf16 step went from 0.88x to
 //! 0.95-0.98x of the read-modify-write roofline on the same machine. Where
-//! host::software_prefetch() is off (AMD processors with AVX-512: there the step was faster
+//! host::software_prefetch() is off (by default on AMD's Zen 4: there the step was faster
 //! without; kernels/host/prefetch.hpp), the step issues no prefetch.
 inline constexpr std::size_t prefetch_distance = 512;
 
