@@ -207,9 +207,9 @@ void run_part(variant which, arena& a, std::size_t b, std::size_t e) {
   const auto& k = constants();
   switch (which) {
     case variant::rmw:
-      shardkit::dispatch<rmw_kernel>(static_cast<const shardkit::bf16*>(a.g16 + b), a.p + b,
-                                     a.m + b, a.v + b, a.out + b, len,
-                                     shardkit::host::software_prefetch());
+      shardkit::dispatch<rmw_kernel>(
+          static_cast<const shardkit::bf16*>(a.g16 + b), a.p + b, a.m + b, a.v + b, a.out + b, len,
+          shardkit::host::software_prefetch(shardkit::host::prefetch_loop::step));
       break;
     case variant::memcpy:
       std::memcpy(a.copy_dst + 14 * b, a.bytes.data() + 14 * b, 14 * len);
@@ -335,8 +335,16 @@ void bm_prefetch(benchmark::State& state, variant which, bool on, std::size_t n)
 
 void register_all(bench::size_set s) {
   benchmark::AddCustomContext("shardkit_host_isa", shardkit::host_isa());
-  benchmark::AddCustomContext("shardkit_host_prefetch",
-                              shardkit::host::software_prefetch() ? "on" : "off");
+  {
+    // "on", "off", or "step on, copy off" where the two kinds of loop differ
+    using shardkit::host::prefetch_loop;
+    const bool step = shardkit::host::software_prefetch(prefetch_loop::step);
+    const bool copy = shardkit::host::software_prefetch(prefetch_loop::copy);
+    const char* word[] = {"off", "on"};
+    benchmark::AddCustomContext(
+        "shardkit_host_prefetch",
+        step == copy ? word[step] : std::string("step ") + word[step] + ", copy " + word[copy]);
+  }
   std::string isas;
   for (auto i : shardkit::host::available_isas()) {
     isas += std::string(isas.empty() ? "" : ",") + shardkit::host::name(i);

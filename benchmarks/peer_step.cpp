@@ -107,7 +107,7 @@ __attribute__((visibility("default"))) const char* shardkit_peer_isa() {
 }
 
 __attribute__((visibility("default"))) int shardkit_peer_prefetch() {
-  return shardkit::host::software_prefetch() ? 1 : 0;
+  return shardkit::host::software_prefetch(shardkit::host::prefetch_loop::step) ? 1 : 0;
 }
 
 __attribute__((visibility("default"))) void shardkit_peer_adamw_fp32(
@@ -122,7 +122,7 @@ __attribute__((visibility("default"))) void shardkit_peer_stream_fp32(void* team
                                                                       float* m, float* v,
                                                                       const float* g,
                                                                       std::size_t n) {
-  const bool prefetch = shardkit::host::software_prefetch();
+  const bool prefetch = shardkit::host::software_prefetch(shardkit::host::prefetch_loop::step);
   shardkit::host::parallel_for(
       exec(team), n, shardkit::host::step_grain, [&](std::size_t b, std::size_t e) {
         shardkit::dispatch<stream_kernel>(p + b, m + b, v + b, g + b, e - b, prefetch);

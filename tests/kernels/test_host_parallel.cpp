@@ -120,45 +120,86 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("software prefetch defaults per processor and kind of loop", "[kernels][prefetch]") {
+  using host::prefetch_loop;
+  using host::detail::cpu_features;
+  using host::detail::default_software_prefetch;
+  // {avx2, avx512, avx512bf16, amd, family}
+  constexpr cpu_features xeon{true, true, true, false, 6u};
+  constexpr cpu_features zen3{true, false, false, true, 0x19u};
+  constexpr cpu_features zen4{true, true, true, true, 0x19u};
+  constexpr cpu_features zen5{true, true, true, true, 0x1Au};
+  constexpr cpu_features later_amd{true, true, true, true, 0x1Bu};
+  constexpr cpu_features avx2_only_intel{true, false, false, false, 6u};
+  for (prefetch_loop l : {prefetch_loop::step, prefetch_loop::copy}) {
+    CAPTURE(host::name(l));
+    CHECK(default_software_prefetch(xeon, l));
+    CHECK(default_software_prefetch(zen3, l));
+    CHECK(default_software_prefetch(avx2_only_intel, l));
+    CHECK_FALSE(default_software_prefetch(zen4, l));
+  }
+  CHECK(default_software_prefetch(zen5, prefetch_loop::step));
+  CHECK_FALSE(default_software_prefetch(zen5, prefetch_loop::copy));
+  CHECK(default_software_prefetch(later_amd, prefetch_loop::step));
+  CHECK_FALSE(default_software_prefetch(later_amd, prefetch_loop::copy));
+  // This processor's defaults are those of its features.
+  for (prefetch_loop l : {prefetch_loop::step, prefetch_loop::copy}) {
+    CHECK(default_software_prefetch(l) == default_software_prefetch(host::detail::cpu(), l));
+  }
+}
+
 TEST_CASE("SHARDKIT_HOST_PREFETCH turns software prefetch on and off, other values are errors",
           "[kernels][prefetch]") {
+  using host::prefetch_loop;
   const auto& cpu = host::detail::cpu();
-  SECTION("unset or empty: off on AMD's Zen 4 (family 0x19 with AVX-512), on elsewhere") {
-    const bool expected = !(cpu.amd && cpu.avx512 && cpu.family == 0x19u);
-    scoped_env e("SHARDKIT_HOST_PREFETCH", nullptr);
-    REQUIRE(host::detail::software_prefetch_from_environment() == expected);
-    scoped_env empty("SHARDKIT_HOST_PREFETCH", "");
-    REQUIRE(host::detail::software_prefetch_from_environment() == expected);
-  }
-  SECTION("on and off") {
-    {
-      scoped_env e("SHARDKIT_HOST_PREFETCH", "on");
-      REQUIRE(host::detail::software_prefetch_from_environment());
+  const prefetch_loop loops[] = {prefetch_loop::step, prefetch_loop::copy};
+  SECTION("unset or empty: each kind of loop takes this processor's default") {
+    for (prefetch_loop l : loops) {
+      const bool expected = host::detail::default_software_prefetch(cpu, l);
+      scoped_env e("SHARDKIT_HOST_PREFETCH", nullptr);
+      REQUIRE(host::detail::software_prefetch_from_environment(l) == expected);
+      scoped_env empty("SHARDKIT_HOST_PREFETCH", "");
+      REQUIRE(host::detail::software_prefetch_from_environment(l) == expected);
     }
-    scoped_env e("SHARDKIT_HOST_PREFETCH", "off");
-    REQUIRE_FALSE(host::detail::software_prefetch_from_environment());
   }
-  SECTION("any other value is an error naming the accepted values, never a fallback") {
-    for (const char* bad : {"1", "yes", "ON", "on ", "auto"}) {
+  SECTION("on and off set every kind of loop") {
+    for (prefetch_loop l : loops) {
+      {
+        scoped_env e("SHARDKIT_HOST_PREFETCH", "on");
+        REQUIRE(host::detail::software_prefetch_from_environment(l));
+      }
+      scoped_env e("SHARDKIT_HOST_PREFETCH", "off");
+      REQUIRE_FALSE(host::detail::software_prefetch_from_environment(l));
+    }
+  }
+  SECTION("any other value is an error naming the accepted values and the defaults") {
+    for (const char* bad : {"1", "yes", "ON", "on ", "auto", "step"}) {
       scoped_env e("SHARDKIT_HOST_PREFETCH", bad);
-      REQUIRE_THROWS_AS(host::detail::software_prefetch_from_environment(), invalid_argument);
+      REQUIRE_THROWS_AS(host::detail::software_prefetch_from_environment(prefetch_loop::step),
+                        invalid_argument);
       REQUIRE_THROWS_WITH(
-          host::detail::software_prefetch_from_environment(),
-          Contains(std::string("SHARDKIT_HOST_PREFETCH=") + bad) && Contains("expected on or off"));
+          host::detail::software_prefetch_from_environment(prefetch_loop::copy),
+          Contains(std::string("SHARDKIT_HOST_PREFETCH=") + bad) &&
+              Contains("expected on or off") &&
+              Contains(std::string(host::detail::default_software_prefetch_name())));
     }
   }
-  SECTION("scoped_prefetch sets it in-process, nests, and restores the previous setting") {
-    const bool before = host::software_prefetch();
+  SECTION("scoped_prefetch sets every kind in-process, nests, and restores the previous setting") {
+    const bool step = host::software_prefetch(prefetch_loop::step);
+    const bool copy = host::software_prefetch(prefetch_loop::copy);
     {
       host::scoped_prefetch off(false);
-      REQUIRE_FALSE(host::software_prefetch());
+      REQUIRE_FALSE(host::software_prefetch(prefetch_loop::step));
+      REQUIRE_FALSE(host::software_prefetch(prefetch_loop::copy));
       {
         host::scoped_prefetch on(true);
-        REQUIRE(host::software_prefetch());
+        REQUIRE(host::software_prefetch(prefetch_loop::step));
+        REQUIRE(host::software_prefetch(prefetch_loop::copy));
       }
-      REQUIRE_FALSE(host::software_prefetch());
+      REQUIRE_FALSE(host::software_prefetch(prefetch_loop::step));
     }
-    REQUIRE(host::software_prefetch() == before);
+    REQUIRE(host::software_prefetch(prefetch_loop::step) == step);
+    REQUIRE(host::software_prefetch(prefetch_loop::copy) == copy);
   }
 }
 

@@ -26,6 +26,7 @@ namespace host {
 //! How far ahead the casts prefetch, in elements (2 KiB of fp32 input). Measured on an Intel
 //! Xeon (AVX-512, one thread, against the loop without it): fp32 -> bf16 1.06x at 16Mi
 //! elements and 1.22x at 64Mi, the flatten fp32 -> bf16 1.17x and 1.34x (benchmarks/README.md).
+//! Whether they prefetch is host::software_prefetch(prefetch_loop::copy).
 inline constexpr std::size_t convert_prefetch = 512;
 
 namespace detail {
@@ -58,8 +59,8 @@ struct convert_kernel {
   template <class Isa>
   SHARDKIT_FORCEINLINE static void run(const S* in, D* out, std::size_t n, bool stream,
                                        bool prefetch) {
-    // Without software prefetch (host::software_prefetch()), the prefetching loops below see
-    // fewer than `ahead` elements left from the start and do not run.
+    // Without software prefetch (host::software_prefetch(prefetch_loop::copy)), the prefetching
+    // loops below see fewer than `ahead` elements left from the start and do not run.
     const std::size_t ahead = prefetch ? convert_prefetch : n;
     if constexpr (simd::has_stream_stores<Isa>) {
       if (stream && reinterpret_cast<std::uintptr_t>(out) % sizeof(D) == 0) {
@@ -181,7 +182,7 @@ void convert(const S* in, D* out, std::size_t n, stores how = stores::automatic)
     }
   } else {
     dispatch<detail::convert_kernel<S, D>>(in, out, n, streams(how, n * (sizeof(S) + sizeof(D))),
-                                           software_prefetch());
+                                           software_prefetch(prefetch_loop::copy));
   }
 }
 

@@ -31,8 +31,8 @@ namespace host {
 //! (benchmarks/README.md). The 16-bit working copy's line is prefetched with intent to write
 //! (its ordinary stores would otherwise wait for the line): the bf16 step went from 0.88x to
 //! 0.95-0.98x of the read-modify-write roofline on the same machine. Where
-//! host::software_prefetch() is off (by default on AMD's Zen 4: there the step was faster
-//! without; kernels/host/prefetch.hpp), the step issues no prefetch.
+//! host::software_prefetch(prefetch_loop::step) is off (by default on AMD's Zen 4: there the
+//! step was faster without; kernels/host/prefetch.hpp), the step issues no prefetch.
 inline constexpr std::size_t prefetch_distance = 512;
 
 namespace detail {
@@ -127,7 +127,7 @@ struct fused_step_kernel {
       i = head;
     }
     if (!prefetch) {
-      // host::software_prefetch() is off: two vectors at a time (two 64-byte lines of each fp32
+      // software prefetch is off: two vectors at a time (two 64-byte lines of each fp32
       // stream in the AVX-512 build), stored stream by stream. On an AMD EPYC with AVX-512, one
       // vector at a time was 1.04-1.19x slower on malloc's layout and as fast on the engine's
       // buffers (benchmarks/README.md).
@@ -181,7 +181,7 @@ template <optimizer_policy Opt, float_storage G, float_storage W = bf16>
 void fused_step(const typename Opt::constants& k, float* params, float* const* state,
                 const G* grads, W* working_out, std::size_t n) {
   if (n == 0) return;
-  const bool prefetch = software_prefetch();
+  const bool prefetch = software_prefetch(prefetch_loop::step);
   if (working_out != nullptr) {
     dispatch<detail::fused_step_kernel<Opt, G, W, true>>(&k, params, state, grads, working_out, n,
                                                          prefetch);
