@@ -20,8 +20,9 @@
 //!  - AMD EPYC, Zen 5 (family 0x1A): with it, the step with bf16 gradients and working copy
 //!    ran 1.05-1.21x faster on one thread (16Mi-64Mi elements, three runs), and the fp32 step
 //!    on a framework's tensors on 4 KiB pages gained 3-6% against torch's fused AdamW beside it;
-//!    the narrowing casts and the fp32 -> bf16 flatten ran 0.85-0.95x as fast with it in most
-//!    pairs (medians of three runs 0.92-0.95x), the widening casts the same either way.
+//!    the narrowing casts and the fp32 -> bf16 flatten ran 0.88-0.98x as fast with it (the
+//!    runs whose control pair, a memcpy it does not touch, was at 1.00x), the widening casts
+//!    the same either way.
 //! So both kinds prefetch by default, except on AMD processors with AVX-512: on Zen 4 (family
 //! 0x19; Zen 3 is family 0x19 too, but has no AVX-512) neither does, and on Zen 5 and later
 //! families only the step does. A processor that was not measured takes the default of the
