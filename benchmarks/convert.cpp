@@ -11,8 +11,9 @@
 //  convert/prefetch_<op>/prefetch:on|off
 //                            flatten_f32_bf16 and the four casts with software prefetch forced
 //                            on and off (kernels/host/prefetch.hpp), 16Mi and 64Mi elements:
-//                            the measurement behind host::software_prefetch(prefetch_loop::copy)'s default on this
-//                            processor. flatten_bf16 is the control: a bf16 -> bf16 flatten is
+//                            the measurement behind the default of
+//                            host::software_prefetch(prefetch_loop::copy) on this processor.
+//                            flatten_bf16 is the control: a bf16 -> bf16 flatten is
 //                            a memcpy that prefetch does not touch, so its two rows differ only
 //                            by the pairing's own bias (the two runs' buffers lie elsewhere)
 //  convert/cast_read_f32_bf16_{cached,streaming}

@@ -335,16 +335,7 @@ void bm_prefetch(benchmark::State& state, variant which, bool on, std::size_t n)
 
 void register_all(bench::size_set s) {
   benchmark::AddCustomContext("shardkit_host_isa", shardkit::host_isa());
-  {
-    // "on", "off", or "step on, copy off" where the two kinds of loop differ
-    using shardkit::host::prefetch_loop;
-    const bool step = shardkit::host::software_prefetch(prefetch_loop::step);
-    const bool copy = shardkit::host::software_prefetch(prefetch_loop::copy);
-    const char* word[] = {"off", "on"};
-    benchmark::AddCustomContext(
-        "shardkit_host_prefetch",
-        step == copy ? word[step] : std::string("step ") + word[step] + ", copy " + word[copy]);
-  }
+  benchmark::AddCustomContext("shardkit_host_prefetch", shardkit::host::software_prefetch_name());
   std::string isas;
   for (auto i : shardkit::host::available_isas()) {
     isas += std::string(isas.empty() ? "" : ",") + shardkit::host::name(i);

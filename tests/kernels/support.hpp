@@ -38,21 +38,11 @@ std::uint32_t pattern(T x) {
     return x.bits;
 }
 
-//! Whether the host loops prefetch: "on", "off", or "step on, copy off" where the two kinds of
-//! loop differ (kernels/host/prefetch.hpp).
-inline std::string prefetch_name() {
-  using shardkit::host::prefetch_loop;
-  const bool step = shardkit::host::software_prefetch(prefetch_loop::step);
-  const bool copy = shardkit::host::software_prefetch(prefetch_loop::copy);
-  if (step == copy) return step ? "on" : "off";
-  return std::string("step ") + (step ? "on" : "off") + ", copy " + (copy ? "on" : "off");
-}
-
 //! The build of the host loops that runs and whether it prefetches, for section names:
 //! "avx2 build, software prefetch on".
 inline std::string build_name() {
   return std::string(shardkit::host::name(shardkit::host::active_isa())) +
-         " build, software prefetch " + prefetch_name();
+         " build, software prefetch " + shardkit::host::software_prefetch_name();
 }
 
 //! Runs f() in every build of the host loops this CPU runs, each with software prefetch on and

@@ -34,8 +34,8 @@ TEST_CASE("host kernels report their build", "[kernels]") {
   const std::string isa = host_isa();
   std::string all;
   for (host::isa i : host::available_isas()) all += std::string(" ") + host::name(i);
-  WARN("host kernels run the " << isa << " build, software prefetch " << prefetch_name()
-                               << "; this CPU runs:" << all);
+  WARN("host kernels run the " << isa << " build, software prefetch "
+                               << host::software_prefetch_name() << "; this CPU runs:" << all);
 #if defined(SHARDKIT_HOST_SCALAR_SIMD)
   REQUIRE(isa == "scalar");
 #else

@@ -24,6 +24,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -142,6 +143,12 @@ TEST_CASE("software prefetch defaults per processor and kind of loop", "[kernels
   CHECK_FALSE(default_software_prefetch(zen5, prefetch_loop::copy));
   CHECK(default_software_prefetch(later_amd, prefetch_loop::step));
   CHECK_FALSE(default_software_prefetch(later_amd, prefetch_loop::copy));
+  STATIC_REQUIRE(std::string_view(host::detail::prefetch_words(true, true)) == "on");
+  STATIC_REQUIRE(std::string_view(host::detail::prefetch_words(false, false)) == "off");
+  STATIC_REQUIRE(std::string_view(host::detail::prefetch_words(true, false)) ==
+                 "step on, copy off");
+  STATIC_REQUIRE(std::string_view(host::detail::prefetch_words(false, true)) ==
+                 "step off, copy on");
   // This processor's defaults are those of its features.
   for (prefetch_loop l : {prefetch_loop::step, prefetch_loop::copy}) {
     CHECK(default_software_prefetch(l) == default_software_prefetch(host::detail::cpu(), l));
@@ -197,6 +204,7 @@ TEST_CASE("SHARDKIT_HOST_PREFETCH turns software prefetch on and off, other valu
         REQUIRE(host::software_prefetch(prefetch_loop::copy));
       }
       REQUIRE_FALSE(host::software_prefetch(prefetch_loop::step));
+      REQUIRE(std::string(host::software_prefetch_name()) == "off");
     }
     REQUIRE(host::software_prefetch(prefetch_loop::step) == step);
     REQUIRE(host::software_prefetch(prefetch_loop::copy) == copy);

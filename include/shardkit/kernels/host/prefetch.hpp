@@ -68,12 +68,17 @@ inline bool default_software_prefetch(prefetch_loop l) noexcept {
   return default_software_prefetch(cpu(), l);
 }
 
-//! What the defaults are here, for messages: "on", "off", or "step on, copy off".
-inline std::string_view default_software_prefetch_name() noexcept {
-  const bool step = default_software_prefetch(prefetch_loop::step);
-  const bool copy = default_software_prefetch(prefetch_loop::copy);
+//! Words for whether each kind of loop prefetches: "on", "off", or "step on, copy off" where
+//! the two differ.
+constexpr const char* prefetch_words(bool step, bool copy) noexcept {
   if (step == copy) return step ? "on" : "off";
   return step ? "step on, copy off" : "step off, copy on";
+}
+
+//! What the defaults are here, for messages.
+inline const char* default_software_prefetch_name() noexcept {
+  return prefetch_words(default_software_prefetch(prefetch_loop::step),
+                        default_software_prefetch(prefetch_loop::copy));
 }
 
 //! SHARDKIT_HOST_PREFETCH's setting: 1 (on), 0 (off), or -1 where it is unset or empty (the
@@ -116,6 +121,13 @@ inline bool software_prefetch(prefetch_loop l) {
     detail::software_prefetch_value.store(v, std::memory_order_relaxed);
   }
   return v == -1 ? detail::default_software_prefetch(l) : v != 0;
+}
+
+//! What software_prefetch() is for each kind of loop, for reports: "on", "off", or "step on,
+//! copy off" where the two differ. Raises as software_prefetch().
+inline const char* software_prefetch_name() {
+  return detail::prefetch_words(software_prefetch(prefetch_loop::step),
+                                software_prefetch(prefetch_loop::copy));
 }
 
 //! Sets software_prefetch() for every kind of loop while it lives (tests, benchmarks). Not for
