@@ -58,6 +58,11 @@
 //  samples themselves, plan/sampled.hpp, where a call's size lies among them) and one/own, the
 //  collectives issued against the model's count, and whether bytes_sent equals
 //  plan::bytes_sent_per_step (a check that the model's list of collectives is the engine's).
+//  Then, per stage, how sure those medians are: a distribution-free 95% interval of the median
+//  of pred/own and of smp/own over the rounds (order statistics, median_ci95), and a verdict
+//  against the target of 15%: met (the whole interval within 0.85-1.15), missed (none of it), or
+//  open (it straddles a bound: the rounds do not decide). One round's ratio moves by 0.5-2x on
+//  the 2-core machines, so a median of 15 rounds can land either side of a bound by chance.
 //  Then per stage and kind of call (collective, placement, count): the calls per step, measured
 //  and in the model's list (the engine's control collectives are not in it), the own time of
 //  one call, the calibration's time at that size (interpolated between the samples around it,
@@ -435,6 +440,8 @@ int report(const char* comm_name, int N, const config& c, const std::vector<run_
   std::printf("  %-5s %9s %9s %9s %9s %15s %9s %8s %13s %8s %8s %9s %9s %9s %5s %5s %s\n", "stage",
               "one", "pred", "smp", "own", "own_q1-q3", "own_last", "pred/own", "range", "smp/own",
               "one/own", "ovl_own", "ovl_comm", "ovl_w-o", "calls", "model", "bytes_sent");
+  // The medians' 95% intervals over rounds, and where each stands against 15% (printed after).
+  std::vector<std::string> verdicts;
   const std::vector<plan::unit> units = units_of(c.shape);
   for (int st = 0; st < 4; ++st) {
     std::vector<double> one, per, smp, own, q1, q3, last, ratio, ratio_smp, ratio_one, o_own,
@@ -473,7 +480,21 @@ int report(const char* comm_name, int N, const config& c, const std::vector<run_
         static_cast<unsigned long long>(rounds[0].serial[st].calls),
         static_cast<unsigned long long>(b.calls()),
         bytes_ok ? "= model" : "DIFFERS from the model");
+    const bench::time_model::median_interval ci = bench::time_model::median_ci95(ratio),
+                                             ci_smp = bench::time_model::median_ci95(ratio_smp);
+    char line[160];
+    std::snprintf(line, sizeof line, "  %-5d %8.3f %6.3f-%-6.3f %-7s %8.3f %6.3f-%-6.3f %s", st,
+                  median(ratio), ci.lo, ci.hi, bench::time_model::verdict_15(ci), median(ratio_smp),
+                  ci_smp.lo, ci_smp.hi, bench::time_model::verdict_15(ci_smp));
+    verdicts.emplace_back(line);
   }
+  std::printf(
+      "  within 15%%? the medians' distribution-free 95%% intervals over the %zu rounds (met: all "
+      "of it within 0.85-1.15; missed: none of it; open: it straddles a bound%s):\n",
+      rounds.size(), rounds.size() < 6 ? "; fewer than 6 rounds give no interval" : "");
+  std::printf("  %-5s %8s %13s %-7s %8s %13s %s\n", "stage", "pred/own", "95% interval",
+              "verdict", "smp/own", "95% interval", "verdict");
+  for (const std::string& v : verdicts) std::printf("%s\n", v.c_str());
   report_calls(N, c, rounds, preds);
   if (c.samples) report_samples(rounds);
   return 0;

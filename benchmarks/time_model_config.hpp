@@ -7,6 +7,8 @@
 
 #include "engine_model.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -47,6 +49,45 @@ struct config {
                             .after_last_arrival = true,
                             .element = shardkit::dtype::bf16};
 };
+
+//! A distribution-free 95% confidence interval for the median of `v` (the per-round ratios):
+//! the order statistics x_(k) and x_(n+1-k), k the largest rank with P(Binomial(n, 1/2) < k) <=
+//! 2.5%, so that the true median lies between them with at least 95% probability whatever the
+//! distribution. Fewer than 6 values cannot give one: `exists` is false and the bounds are the
+//! extremes.
+struct median_interval {
+  double lo = 0, hi = 0;
+  bool exists = false;
+};
+inline median_interval median_ci95(std::vector<double> v) {
+  median_interval r;
+  if (v.empty()) return r;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  // P(B <= j) for B ~ Binomial(n, 1/2), accumulated from j = 0.
+  double term = std::pow(0.5, static_cast<double>(n)), below = 0;  // term = P(B = j)
+  std::size_t k = 0;                                               // P(B < k) <= 2.5%
+  for (std::size_t j = 0; j < n; ++j) {
+    if (below + term > 0.025) break;
+    below += term;
+    k = j + 1;
+    term *= static_cast<double>(n - j) / static_cast<double>(j + 1);
+  }
+  r.exists = k >= 1;
+  r.lo = v[r.exists ? k - 1 : 0];
+  r.hi = v[r.exists ? n - k : n - 1];
+  return r;
+}
+
+//! Where a stage's ratio stands against the target (within 15%), judged by the interval of its
+//! median: "met" when the whole interval lies within 0.85-1.15, "missed" when none of it does,
+//! "open" when the interval straddles a bound (more rounds, or a quieter machine, would tell).
+inline const char* verdict_15(const median_interval& ci) {
+  if (!ci.exists) return "open";
+  if (ci.lo >= 0.85 && ci.hi <= 1.15) return "met";
+  if (ci.hi < 0.85 || ci.lo > 1.15) return "missed";
+  return "open";
+}
 
 //! The benchmark's units as the planner counts them: one per layer, a d x d weight and a d bias.
 inline std::vector<plan::unit> units_of(const model_shape& m) {
