@@ -584,14 +584,47 @@ PEER_TARGETS = (  # (ours, theirs, floor, label); floor None: reported, not a ta
 )
 
 
-def paired_ratio(ours, theirs):
-    """Time of theirs / time of ours: the median over repetitions of the two contenders' ratio
-    within one repetition (they ran within a second of each other, so the machine's slow swings
-    in memory bandwidth cancel), or the ratio of the medians where repetitions are not saved."""
+def paired_ratios(ours, theirs):
+    """Time of theirs / time of ours within each repetition (the two ran within a second of each
+    other, so the machine's slow swings in memory bandwidth cancel); None where repetitions are
+    not saved."""
     ra, rb = ours.get("reps"), theirs.get("reps")
     if ra and rb and len(ra) == len(rb):
-        return statistics.median(y / x for x, y in zip(ra, rb))
-    return theirs["seconds"] / ours["seconds"]
+        return [y / x for x, y in zip(ra, rb)]
+    return None
+
+
+def paired_ratio(ours, theirs):
+    """The median over repetitions of paired_ratios, or the ratio of the medians where
+    repetitions are not saved."""
+    qs = paired_ratios(ours, theirs)
+    return statistics.median(qs) if qs else theirs["seconds"] / ours["seconds"]
+
+
+def median_ci95(xs):
+    """A distribution-free 95% interval for the median of xs: the order statistics x_(k) and
+    x_(n+1-k), k the largest rank with P(Binomial(n, 1/2) < k) <= 2.5%, so that the true median
+    lies between them with at least 95% probability whatever the distribution. None for fewer
+    than 6 values, which cannot give one."""
+    xs = sorted(xs)
+    n = len(xs)
+    term, below, k = 0.5 ** n, 0.0, 0  # term = P(B = j)
+    for j in range(n):
+        if below + term > 0.025:
+            break
+        below += term
+        k = j + 1
+        term *= (n - j) / (j + 1)
+    return (xs[k - 1], xs[n - k]) if k else None
+
+
+def verdict(ci, floor):
+    """Where a median stands against a floor, judged by its interval: met (all of the interval at
+    or above the floor), missed (all of it below), open (it straddles the floor, or no interval:
+    the repetitions do not decide)."""
+    if ci is None:
+        return "open"
+    return "met" if ci[0] >= floor else "missed" if ci[1] < floor else "open"
 
 
 def peers(paths, out, plt, targets):
@@ -667,6 +700,32 @@ def peers(paths, out, plt, targets):
                 cells.append("–")
         if any(c != "–" for c in cells):
             md.append(f"| {fmt_size(n)} | 1 (CPU time) | {pg} | " + " | ".join(cells) + " |")
+    # How sure each target's median is: its interval over the repetitions and the verdict.
+    floors = [(i, x) for i, x in enumerate(PEER_TARGETS) if x[2] is not None]
+    sure = {i: [] for i, _ in floors}
+    md += ["", "How sure the targets' medians are: each same-run ratio above with its "
+           "distribution-free 95% interval over the repetitions (order statistics), and against "
+           "the target's floor: met (the whole interval at or above it), missed (all of it "
+           "below), open (it straddles the floor: these repetitions do not decide):", "",
+           "| elements | threads | pages | " +
+           " | ".join(f"{a} / {b} (≥ {fl:g})" for _, (a, b, fl, _) in floors) + " |",
+           "|---:|---:|---|" + "---|" * len(floors)]
+    for n, t, pg in rows:
+        cells = []
+        for i, (a, b, fl, _) in floors:
+            ra, rb = by.get((n, t, pg, a)), by.get((n, t, pg, b))
+            qs = paired_ratios(ra, rb) if ra and rb else None
+            if not qs:
+                cells.append("–")
+                continue
+            ci = median_ci95(qs)
+            v = verdict(ci, fl)
+            if n >= (16 << 20):
+                sure[i].append((pg, v))
+            span = f"{ci[0]:.2f}–{ci[1]:.2f}" if ci else "no interval"
+            cells.append(f"{statistics.median(qs):.2f} ({span}) {v}")
+        if any(c != "–" for c in cells):
+            md.append(f"| {fmt_size(n)} | {t} | {pg} | " + " | ".join(cells) + " |")
     for i, (a, b, floor, label) in enumerate(PEER_TARGETS):
         if floor is None:
             continue
@@ -674,9 +733,14 @@ def peers(paths, out, plt, targets):
             xs = [x for x in got[i] if x[2] == pg]
             if xs:
                 worst = min(xs, key=lambda x: x[3])
+                vs = [v for p, v in sure.get(i, []) if p == pg]
+                tally = ", ".join(f"{vs.count(k)} {k}" for k in ("met", "open", "missed")
+                                  if vs.count(k))
                 targets.append((label + f" (≥ 16Mi elements, every thread count, {pg} pages)",
                                 f"{worst[3]:.2f}–{max(x[3] for x in xs):.2f}× (lowest at "
-                                f"{fmt_size(worst[0])}, {worst[1]} thread(s))",
+                                f"{fmt_size(worst[0])}, {worst[1]} thread(s))" +
+                                (f"; by the cells' 95% intervals: {tally}"
+                                 if tally else ""),
                                 worst[3] >= floor))
     if plt:
         fig, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), 4.2), squeeze=False)
