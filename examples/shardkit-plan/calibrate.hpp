@@ -106,6 +106,42 @@ inline std::string calibration_flags(const plan::link& l, std::uint64_t ranks,
   return flags;
 }
 
+//! The note --calibrate ends with when a fitted line lies more than 15% off the sweep's own time
+//! at some size: one α-β line per collective cannot follow a host communicator's cost per byte
+//! where the buffers leave the caches, and the planner predicts a step's calls of those sizes
+//! that far off too (benchmarks/README.md measures it). Names the worst of the per-collective
+//! fits (or the one link where there are none) and points to the samples, which the planner
+//! reads off directly. `saving`: --save-samples was given. Empty when every fit is within 15%.
+inline std::string fit_note(const plan::link_fit& one, const plan::collective_fits& per,
+                            bool saving) {
+  std::string worst = "the one link";
+  double err = one.max_rel_error;
+  bool any = false;
+  for (const bool in_place : {false, true}) {
+    for (const auto op : {shardkit::collective::all_reduce, shardkit::collective::reduce_scatter,
+                          shardkit::collective::all_gather}) {
+      const auto& f = per.of(op, in_place);
+      if (!f) continue;
+      if (!any || f->max_rel_error > err) {
+        err = f->max_rel_error;
+        worst = std::string("the ") + shardkit::name(op) + (in_place ? " in-place" : "") + " line";
+      }
+      any = true;
+    }
+  }
+  if (!(err > 0.15)) return {};
+  char pct[32];
+  std::snprintf(pct, sizeof pct, "%.1f%%", 100.0 * err);
+  return "note: " + worst + " lies up to " + pct +
+         " off the sweep's own time at some size (one line per collective cannot follow a cost "
+         "per byte that changes where the buffers leave the caches), and the planner's times "
+         "for calls of such sizes are as far off; " +
+         (saving ? std::string("pass the samples written below to the planner as --samples FILE")
+                 : std::string("calibrate with --save-samples FILE and pass the planner "
+                               "--samples FILE")) +
+         " to read those calls' times off the measurements instead";
+}
+
 inline std::string human_time(double s) {
   char buf[64];
   if (s < 1e-3) {
@@ -116,10 +152,12 @@ inline std::string human_time(double s) {
   return buf;
 }
 
-//! Prints the measured samples against the fit, and the flags; when the samples cannot be
-//! fitted, prints them with the reason and returns 1 (else 0).
+//! Prints the measured samples against the fit, the flags, and fit_note's note where a line lies
+//! more than 15% off (`saving`: --save-samples was given); when the samples cannot be fitted,
+//! prints them with the reason and returns 1 (else 0).
 inline int print_calibration(const std::vector<plan::calibration_sample>& samples, const char* comm,
-                             std::uint64_t ranks, const plan::sweep_options& o) {
+                             std::uint64_t ranks, const plan::sweep_options& o,
+                             bool saving = false) {
   std::printf(
       "shardkit-plan --calibrate: %s communicator, %llu ranks, %s, %zu B - %zu B buffers, "
       "median of %d%s%s%s%s\n",
@@ -194,6 +232,9 @@ inline int print_calibration(const std::vector<plan::calibration_sample>& sample
       "collective's own%s):\n  %s\n",
       static_cast<unsigned long long>(ranks), o.in_place ? ", then each one's in place" : "",
       calibration_flags(f.fitted, ranks, per).c_str());
+  if (const std::string note = fit_note(f, per, saving); !note.empty()) {
+    std::printf("%s\n", note.c_str());
+  }
   return 0;
 }
 
@@ -202,7 +243,7 @@ inline int print_calibration(const std::vector<plan::calibration_sample>& sample
 //! writes, and every rank takes its status).
 inline int report_calibration(const std::vector<plan::calibration_sample>& samples,
                               const char* comm, std::uint64_t ranks, const calibrate_options& o) {
-  int status = print_calibration(samples, comm, ranks, o.sweep);
+  int status = print_calibration(samples, comm, ranks, o.sweep, !o.save_samples.empty());
   if (o.save_samples.empty()) return status;
   try {
     write_samples(o.save_samples, samples,

@@ -382,3 +382,35 @@ TEST_CASE("shardkit-plan --calibrate: the printed flags, per collective too, par
   CHECK(o.cluster.intra_all_reduce_in_place->bytes_per_s == Approx(9.1e9).epsilon(1e-3));
   CHECK_FALSE(o.cluster.intra_all_gather_in_place);
 }
+
+TEST_CASE("shardkit-plan --calibrate: a line more than 15% off its samples ends with a note") {
+  plan::link_fit one;
+  one.max_rel_error = 0.40;  // the one link: ignored once the collectives have their own
+  plan::collective_fits per;
+  per.all_reduce.emplace();
+  per.all_reduce->max_rel_error = 0.12;
+  per.all_gather_in_place.emplace();
+  per.all_gather_in_place->max_rel_error = 0.221;
+  per.reduce_scatter.emplace();
+  per.reduce_scatter->max_rel_error = 0.18;
+
+  const std::string note = shardkit_plan::fit_note(one, per, false);
+  INFO(note);
+  CHECK_THAT(note, Contains("the all_gather in-place line lies up to 22.1% off"));
+  CHECK_THAT(note, Contains("calibrate with --save-samples FILE and pass the planner "
+                            "--samples FILE"));
+  const std::string saving = shardkit_plan::fit_note(one, per, true);
+  INFO(saving);
+  CHECK_THAT(saving, Contains("pass the samples written below to the planner as --samples FILE"));
+
+  // Every collective's own line within 15%: no note, whatever the one link's error.
+  per.all_gather_in_place->max_rel_error = 0.15;
+  per.reduce_scatter->max_rel_error = 0.149;
+  CHECK(shardkit_plan::fit_note(one, per, false).empty());
+
+  // No collective could be fitted alone: the one link decides.
+  CHECK_THAT(shardkit_plan::fit_note(one, plan::collective_fits{}, false),
+             Contains("the one link lies up to 40.0% off"));
+  one.max_rel_error = 0.1;
+  CHECK(shardkit_plan::fit_note(one, plan::collective_fits{}, false).empty());
+}
