@@ -14,7 +14,7 @@
 // over with grad_ready, then step(). There is no model compute.
 //
 // For each communicator size N (in-process ranks, or the MPI world):
-//  --rounds R (default 15) times: 1.-3. below, so that the machine's drift reaches calibration and
+//  --rounds R (default 45) times: 1.-3. below, so that the machine's drift reaches calibration and
 //  measurement alike; printed: the links of the first round, pred/own of every round, and per
 //  stage the medians over rounds. A round whose sweep cannot be fitted (times that do not grow
 //  with size, on a busy machine) is named and left out; the run fails only if every round is.

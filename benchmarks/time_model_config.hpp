@@ -25,10 +25,12 @@ struct config {
   model_shape shape{1024, 8};
   std::vector<int> ranks{2, 4};
   int reps = 7;
-  // Calibrate-then-measure rounds; ratios are reported per round and as medians. On the 2-core
-  // machines one round's ratio moves by 0.5-2x from the next: 15 rounds (about 3.5 minutes at
-  // N = 2 and 4) steady the medians (benchmarks/README.md).
-  int rounds = 15;
+  // Calibrate-then-measure rounds; ratios are reported per round and as medians, each median
+  // with its 95% interval over the rounds. On the 2-core machines one round's ratio moves by
+  // 0.5-2x from the next: with 15 rounds most stages' intervals straddle a 15% bound, with 45
+  // (about 6 minutes at N = 2 and 4 on a Zen 5, 2 minutes over MPI at N = 2) most decide
+  // (benchmarks/README.md).
+  int rounds = 45;
   bool samples = false;  // --samples 1: print every calibration sample's median and range
   bool age = true;       // --age 0: no optimizer_bytes (in-place all-gathers timed in cache)
   // The step's gradients and parameters are written just before they are reduced or gathered
