@@ -94,11 +94,16 @@ inline int software_prefetch_setting() {
                             default_software_prefetch_name(), ")");
 }
 
+//! Whether loops of kind l prefetch under `setting` (software_prefetch_setting()'s value): the
+//! setting where one is made, else the default.
+inline bool software_prefetch_for(int setting, prefetch_loop l) noexcept {
+  return setting == -1 ? default_software_prefetch(l) : setting != 0;
+}
+
 //! SHARDKIT_HOST_PREFETCH's setting, else the default for loops of kind l. Raises as
 //! software_prefetch_setting().
 inline bool software_prefetch_from_environment(prefetch_loop l) {
-  const int v = software_prefetch_setting();
-  return v == -1 ? default_software_prefetch(l) : v != 0;
+  return software_prefetch_for(software_prefetch_setting(), l);
 }
 
 //! -2: not resolved yet; else software_prefetch_setting()'s value.
@@ -120,7 +125,7 @@ inline bool software_prefetch(prefetch_loop l) {
     v = detail::software_prefetch_setting();  // raises; not cached then
     detail::software_prefetch_value.store(v, std::memory_order_relaxed);
   }
-  return v == -1 ? detail::default_software_prefetch(l) : v != 0;
+  return detail::software_prefetch_for(v, l);
 }
 
 //! What software_prefetch() is for each kind of loop, for reports: "on", "off", or "step on,
