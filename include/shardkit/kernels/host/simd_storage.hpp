@@ -274,17 +274,32 @@ SHARDKIT_DETAIL_SIMD_FN vf<Isa::width> load(const T* p) {
   }
 }
 
+//! A vector in its stored form in T: the floats themselves (fp32) or their 16-bit patterns
+//! (to_bf16, to_fp16). A value stored to several places is converted once (stored()) and
+//! written with store_stored or store_stored_stream, the bits store() writes.
+template <class Isa, class T>
+SHARDKIT_DETAIL_SIMD_FN auto stored(vf<Isa::width> x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, bf16>) {
+    return to_bf16<Isa>(x);
+  } else {
+    static_assert(std::is_same_v<T, fp16>,
+                  "simd::stored: element type must be float, bf16 or fp16");
+    return to_fp16<Isa>(x);
+  }
+}
+
+//! Writes a vector in its stored form (stored<Isa, T>) to `p`.
+template <class S>
+SHARDKIT_DETAIL_SIMD_FN void store_stored(void* p, S s) {
+  std::memcpy(p, &s.v, sizeof s.v);
+}
+
 //! Stores Isa::width floats to fp32/bf16/fp16 storage (round to nearest even).
 template <class Isa, class T>
 SHARDKIT_DETAIL_SIMD_FN void store(T* p, vf<Isa::width> x) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(p, &x.v, sizeof x.v);
-  } else if constexpr (std::is_same_v<T, bf16>) {
-    impl::store_h<Isa::width>(p, to_bf16<Isa>(x));
-  } else {
-    static_assert(std::is_same_v<T, fp16>, "simd::store: element type must be float, bf16 or fp16");
-    impl::store_h<Isa::width>(p, to_fp16<Isa>(x));
-  }
+  store_stored(p, stored<Isa, T>(x));
 }
 
 //! The value each lane has once stored as T (T(x) as a float), and the store itself.
@@ -430,28 +445,6 @@ inline constexpr bool has_stream_stores =
 #else
     false;
 #endif
-
-//! A vector in its stored form in T: the floats themselves (fp32) or their 16-bit patterns
-//! (to_bf16, to_fp16). A value stored to several places is converted once (stored()) and
-//! written with store_stored or store_stored_stream, the bits store() writes.
-template <class Isa, class T>
-SHARDKIT_DETAIL_SIMD_FN auto stored(vf<Isa::width> x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else if constexpr (std::is_same_v<T, bf16>) {
-    return to_bf16<Isa>(x);
-  } else {
-    static_assert(std::is_same_v<T, fp16>,
-                  "simd::stored: element type must be float, bf16 or fp16");
-    return to_fp16<Isa>(x);
-  }
-}
-
-//! Writes a vector in its stored form (stored<Isa, T>) to `p`.
-template <class S>
-SHARDKIT_DETAIL_SIMD_FN void store_stored(void* p, S s) {
-  std::memcpy(p, &s.v, sizeof s.v);
-}
 
 //! Writes a vector in its stored form (stored<Isa, T>) to `p` with a streaming (non-temporal)
 //! store: the line goes to memory without being read first and without displacing the cache.
