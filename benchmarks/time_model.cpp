@@ -4,8 +4,8 @@
 //
 //   shardkit_bench_time_model [--size=tiny|full] [--ranks 2,4] [--reps K] [--rounds R]
 //                             [--min-bytes B] [--max-bytes B] [--growth G] [--cold-bytes B]
-//                             [--async 0|1] [--age 0|1] [--gather-outputs K] [--zero-outputs 0|1]
-//                             [--arrival 0|1] [--samples 0|1]
+//                             [--async 0|1] [--age 0|1] [--age-runs 0|1] [--gather-outputs K]
+//                             [--zero-outputs 0|1] [--arrival 0|1] [--samples 0|1]
 //   mpiexec -np 4 shardkit_bench_time_model [--size=...] [--reps K]   (the MPI communicator)
 //
 // The model is benchmarks/engine.cpp's: L units, each a d x d weight and a d bias, bf16 working
@@ -22,8 +22,10 @@
 //     bf16 (--min-bytes 4 KiB to --max-bytes, default the step's largest call and at least
 //     16 MiB, x --growth 2; 11 repetitions), out of place and in place, as the step finds and
 //     issues its collectives (sweep_options): each input written just before its call,
-//     asynchronous (--async 0: not), the optimizer's bytes streamed before each in-place
-//     all-gather (--age 0: not), out-of-place all-gathers on two outputs of their own as
+//     asynchronous (--async 0: not), the optimizer's bytes streamed before the in-place
+//     all-gathers (--age 0: not), once before each run of them that gathers the rank's shard of
+//     the working parameters, as the step's follow its optimizer (--age-runs 0: before each
+//     call), out-of-place all-gathers on two outputs of their own as
 //     ZeRO-3's with prefetch 1 (--gather-outputs K), out-of-place reduce-scatters' outputs
 //     zeroed first as the engine zeroes its gradient shard after a step (--zero-outputs 0: not),
 //     each call timed as the step's are below, from the last rank's start to the first rank's
@@ -269,10 +271,13 @@ struct run_result {
 template <class Comm>
 std::vector<run_result> run_all(Comm& comm, const config& c) {
   std::vector<run_result> rounds(static_cast<std::size_t>(c.rounds));
-  // The optimizer's bytes per rank and step (AdamW: 28 per shard element), streamed before each
-  // in-place all-gather of the sweep as the step streams them before its own.
+  // The optimizer's bytes per rank and step (AdamW: 28 per shard element), streamed before the
+  // sweep's in-place all-gathers as the step streams them before its own.
   plan::sweep_options sweep = c.sweep;
-  if (c.age) sweep.optimizer_bytes = 28 * c.shape.params() / static_cast<std::size_t>(comm.size());
+  const std::size_t shard = c.shape.params() / static_cast<std::size_t>(comm.size());
+  if (c.age) sweep.optimizer_bytes = 28 * shard;
+  // The working parameters' shard (bf16) the step gathers in place after that one pass.
+  if (c.age && c.age_runs) sweep.gathered_bytes = sizeof(shardkit::bf16) * shard;
   for (run_result& r : rounds) {
     r.samples = plan::measure_collectives(comm, sweep);
     for (const bool serialize : {true, false}) {
@@ -492,8 +497,8 @@ int report(const char* comm_name, int N, const config& c, const std::vector<run_
       "  within 15%%? the medians' distribution-free 95%% intervals over the %zu rounds (met: all "
       "of it within 0.85-1.15; missed: none of it; open: it straddles a bound%s):\n",
       rounds.size(), rounds.size() < 6 ? "; fewer than 6 rounds give no interval" : "");
-  std::printf("  %-5s %8s %13s %-7s %8s %13s %s\n", "stage", "pred/own", "95% interval",
-              "verdict", "smp/own", "95% interval", "verdict");
+  std::printf("  %-5s %8s %13s %-7s %8s %13s %s\n", "stage", "pred/own", "95% interval", "verdict",
+              "smp/own", "95% interval", "verdict");
   for (const std::string& v : verdicts) std::printf("%s\n", v.c_str());
   report_calls(N, c, rounds, preds);
   if (c.samples) report_samples(rounds);

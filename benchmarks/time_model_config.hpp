@@ -28,11 +28,14 @@ struct config {
   // Calibrate-then-measure rounds; ratios are reported per round and as medians, each median
   // with its 95% interval over the rounds. On the 2-core machines one round's ratio moves by
   // 0.5-2x from the next: with 15 rounds most stages' intervals straddle a 15% bound, with 45
-  // (about 6 minutes at N = 2 and 4 on a Zen 5, 2 minutes over MPI at N = 2) most decide
+  // (about 12 minutes at N = 2 and 4 on the Intel Xeon, 3 minutes over MPI at N = 2) most decide
   // (benchmarks/README.md).
   int rounds = 45;
   bool samples = false;  // --samples 1: print every calibration sample's median and range
   bool age = true;       // --age 0: no optimizer_bytes (in-place all-gathers timed in cache)
+  // --age-runs 0: every in-place all-gather aged by a whole optimizer pass, not a run of them
+  // after one pass as the step's (sweep_options::gathered_bytes).
+  bool age_runs = true;
   // The step's gradients and parameters are written just before they are reduced or gathered
   // and, at this model's size, still in cache; the step issues them asynchronously, some in
   // place: the sweep times its collectives the same way (see time_model.cpp's file comment). Sizes
@@ -113,7 +116,7 @@ inline plan::setup setup_of(int st, int N) {
       "\nusage: shardkit_bench_time_model [--size=tiny|full] "
       "[--ranks 2,4] [--reps K] [--rounds R] [--min-bytes B] "
       "[--max-bytes B] [--growth G] [--cold-bytes B] [--async 0|1] "
-      "[--age 0|1] [--gather-outputs K] [--zero-outputs 0|1] [--arrival 0|1] "
+      "[--age 0|1] [--age-runs 0|1] [--gather-outputs K] [--zero-outputs 0|1] [--arrival 0|1] "
       "[--samples 0|1]");
 }
 
@@ -177,6 +180,9 @@ inline config parse(int argc, char** argv) {
     } else if (a == "--age") {
       if (v != "0" && v != "1") usage("--age: '" + v + "': expected 0 or 1");
       c.age = v == "1";
+    } else if (a == "--age-runs") {
+      if (v != "0" && v != "1") usage("--age-runs: '" + v + "': expected 0 or 1");
+      c.age_runs = v == "1";
     } else if (a == "--samples") {
       if (v != "0" && v != "1") usage("--samples: '" + v + "': expected 0 or 1");
       c.samples = v == "1";
@@ -203,7 +209,9 @@ inline void header(const config& c) {
       c.sweep.fresh_input ? "fresh" : "reused",
       c.sweep.cold_bytes != 0 ? "cold walk" : "reused buffers",
       c.sweep.asynchronous ? "asynchronous" : "synchronous",
-      c.age ? "optimizer's bytes streamed before in-place all-gathers" : "no optimizer bytes",
+      !c.age       ? "no optimizer bytes"
+      : c.age_runs ? "optimizer's bytes streamed once before each run of in-place all-gathers"
+                   : "optimizer's bytes streamed before each in-place all-gather",
       c.sweep.gather_outputs != 0 ? "out-of-place all-gathers on their own outputs"
                                   : "outputs walked");
   std::printf(

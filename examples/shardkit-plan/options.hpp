@@ -331,7 +331,7 @@ constexpr const char* calibrate_usage =
     "usage: shardkit-plan --calibrate [--comm thread|mpi] [--ranks N] [--max-bytes B] [--reps K]\n"
     "                          [--dtype bf16|fp32] [--cold-bytes B] [--fresh-input]\n"
     "                          [--in-place] [--async] [--growth G] [--optimizer-bytes B]\n"
-    "                          [--gather-outputs K] [--zero-reduce-outputs]\n"
+    "                          [--gathered-bytes B] [--gather-outputs K] [--zero-reduce-outputs]\n"
     "                          [--after-last-arrival] [--save-samples FILE]\n";
 
 //! The flags of --calibrate, filling `o`.
@@ -416,6 +416,13 @@ inline void add_calibrate_options(CLI::App& app, calibrate_options& o) {
              "the shard's elements for AdamW); needs --fresh-input and\n"
              "--in-place",
              [&o, zero_or_bytes](sv f, sv v) { o.sweep.optimizer_bytes = zero_or_bytes(f, v); });
+  add_valued(app, "--gathered-bytes", "B",
+             "bytes each rank contributes to the in-place all-gathers\n"
+             "after one optimizer pass (its shard of the working\n"
+             "parameters); each is then timed in a run of B / its bytes\n"
+             "calls after one pass, as the step gathers its units one\n"
+             "after another; needs --optimizer-bytes",
+             [&o, zero_or_bytes](sv f, sv v) { o.sweep.gathered_bytes = zero_or_bytes(f, v); });
   add_valued(app, "--gather-outputs", "K",
              "out-of-place all-gathers take turns on K outputs of their\n"
              "own, as ZeRO-3 gathers into the buffers earlier units\n"
@@ -462,7 +469,8 @@ inline bool parse_calibrate_options(int argc, const char* const* argv, calibrate
   if (!detail::run(app, argc, argv, "--calibrate: ",
                    "; expected --comm, --ranks, --max-bytes, --reps, --dtype, --cold-bytes, "
                    "--fresh-input, --in-place, --async, --growth, --optimizer-bytes, "
-                   "--gather-outputs, --zero-reduce-outputs, --after-last-arrival or "
+                   "--gathered-bytes, --gather-outputs, --zero-reduce-outputs, "
+                   "--after-last-arrival or "
                    "--save-samples")) {
     return false;
   }
@@ -470,6 +478,11 @@ inline bool parse_calibrate_options(int argc, const char* const* argv, calibrate
     throw cli::bad_argument(
         "--calibrate: --optimizer-bytes needs --fresh-input and --in-place (it is streamed "
         "before each in-place all-gather, which is then timed alone)");
+  }
+  if (o.sweep.gathered_bytes != 0 && o.sweep.optimizer_bytes == 0) {
+    throw cli::bad_argument(
+        "--calibrate: --gathered-bytes needs --optimizer-bytes (it groups the in-place "
+        "all-gathers that follow one optimizer pass)");
   }
   if (o.sweep.zero_reduce_outputs && !o.sweep.fresh_input) {
     throw cli::bad_argument(

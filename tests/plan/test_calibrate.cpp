@@ -184,6 +184,53 @@ TEST_CASE("calibrate: sweep options are checked") {
   CHECK_NOTHROW(plan::check(o, 0));
   o.fresh_input = false;
   CHECK_THROWS_WITH(plan::check(o, 0), Contains("without fresh_input and in_place"));
+  // The gathers grouped after one optimizer pass need that pass.
+  o = {};
+  o.fresh_input = o.in_place = true;
+  o.gathered_bytes = 4096;
+  CHECK_THROWS_WITH(plan::check(o, 3), Contains("rank 3") && Contains("gathered_bytes 4096") &&
+                                           Contains("without optimizer_bytes"));
+  o.optimizer_bytes = 1 << 20;
+  CHECK_NOTHROW(plan::check(o, 0));
+}
+
+TEST_CASE("calibrate: gathered_bytes times the in-place all-gathers in runs after one pass") {
+  // fp32, 4 KiB, 16 KiB and 64 KiB over 2 ranks: each rank contributes 2, 8 and 32 KiB to an
+  // in-place all-gather. With 16 KiB gathered after each optimizer pass, the runs are 8, 2 and
+  // 1 calls long (at least one, at most max_iters); each repetition (warm-up included) is one
+  // run, after the sweep's one untimed call per size.
+  plan::sweep_options o;
+  o.max_bytes = 64 << 10;
+  o.reps = 3;
+  o.warmup = 1;
+  o.fresh_input = true;
+  o.in_place = true;
+  o.out_of_place = false;
+  o.optimizer_bytes = 1 << 20;
+  const std::size_t counts[] = {512, 2048, 8192};  // per rank
+  auto gathers = [&](const plan::sweep_options& opt) {
+    const auto r = shardkit::run_ranks(2, [&](shardkit::thread_comm& c) {
+      shardkit::timed_comm<shardkit::thread_comm> t(std::move(c));
+      t.timing().record = true;
+      const auto samples = plan::measure_collectives(t, opt);
+      std::vector<int> calls(3, 0);
+      for (const auto& rec : t.timing().log) {
+        if (rec.kind != collective::all_gather || !rec.in_place) continue;
+        for (int i = 0; i < 3; ++i) calls[i] += rec.count == counts[i] ? 1 : 0;
+      }
+      for (const auto& x : samples) {
+        if (x.op == collective::all_gather) CHECK(x.seconds > 0);
+      }
+      return calls;
+    });
+    CHECK(r[1] == r[0]);
+    return r[0];
+  };
+  CHECK(gathers(o) == std::vector<int>{5, 5, 5});  // each call aged by a pass of its own
+  o.gathered_bytes = 16 << 10;
+  CHECK(gathers(o) == std::vector<int>{1 + 4 * 8, 1 + 4 * 2, 1 + 4 * 1});
+  o.max_iters = 4;
+  CHECK(gathers(o) == std::vector<int>{1 + 4 * 4, 1 + 4 * 2, 1 + 4 * 1});
 }
 
 TEST_CASE("calibrate: the sweep over 2 thread ranks gives a positive, finite link") {

@@ -305,6 +305,7 @@ TEST_CASE("shardkit-plan options: --calibrate's flags") {
                                 "2", "--optimizer-bytes", "117MB", "--gather-outputs", "2"});
   REQUIRE(shardkit_plan::parse_calibrate_options(as_engine.argc(), as_engine.argv.data(), c));
   CHECK(c.sweep.optimizer_bytes == 117'000'000);
+  CHECK(c.sweep.gathered_bytes == 0);
   CHECK(c.sweep.gather_outputs == 2);
   CHECK(c.sweep.growth == 2);
   CHECK_FALSE(c.sweep.zero_reduce_outputs);
@@ -320,6 +321,18 @@ TEST_CASE("shardkit-plan options: --calibrate's flags") {
   const command_line alone({"--calibrate", "--optimizer-bytes", "1MiB", "--in-place"});
   CHECK_THROWS_WITH(shardkit_plan::parse_calibrate_options(alone.argc(), alone.argv.data(), e),
                     Contains("--optimizer-bytes needs --fresh-input and --in-place"));
+  // The gathers grouped after one optimizer pass: with that pass only.
+  const command_line grouped({"--calibrate", "--fresh-input", "--in-place", "--optimizer-bytes",
+                              "117MB", "--gathered-bytes", "8MiB"});
+  shardkit_plan::calibrate_options g;
+  REQUIRE(shardkit_plan::parse_calibrate_options(grouped.argc(), grouped.argv.data(), g));
+  CHECK(g.sweep.gathered_bytes == (std::size_t{8} << 20));
+  const command_line ungrouped(
+      {"--calibrate", "--fresh-input", "--in-place", "--gathered-bytes", "8MiB"});
+  shardkit_plan::calibrate_options u;
+  CHECK_THROWS_WITH(
+      shardkit_plan::parse_calibrate_options(ungrouped.argc(), ungrouped.argv.data(), u),
+      Contains("--gathered-bytes needs --optimizer-bytes"));
   const command_line unprepared({"--calibrate", "--zero-reduce-outputs"});
   shardkit_plan::calibrate_options f;
   CHECK_THROWS_WITH(

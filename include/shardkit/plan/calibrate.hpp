@@ -83,7 +83,8 @@ struct sweep_options {
   //! thread, not on the caller's).
   bool asynchronous = false;
   //! Bytes each rank moves (reads plus writes, over an array of half as many) before each
-  //! in-place all-gather, before it writes the call's input; 0: none. The engine's step gathers in
+  //! in-place all-gather (with gathered_bytes: before each run of them), before it writes the
+  //! call's input; 0: none. The engine's step gathers in
   //! place (stages 1-2) right after its optimizer has streamed the rank's shard of master weights
   //! and moments, so the slices the call writes come out of cache; its other collectives follow the
   //! writes of their inputs. Pass the optimizer's bytes per rank and step (e.g. 28 bytes per shard
@@ -92,6 +93,16 @@ struct sweep_options {
   //! to 2.5x as long as a sweep's without this (benchmarks/README.md, "As the step finds its
   //! data"). Needs fresh_input and in_place.
   std::size_t optimizer_bytes = 0;
+  //! Bytes each rank contributes to the in-place all-gathers that follow one optimizer pass in
+  //! the step (its shard of the working parameters: e.g. 2 bytes per shard element in bf16); 0:
+  //! one all-gather per pass. The step streams the optimizer's bytes once and then gathers its
+  //! units one after another (ZeRO-2: one call per unit; ZeRO-1: one call for the shard), so
+  //! with optimizer_bytes each repetition of an in-place all-gather whose rank contributes c
+  //! bytes is a run of gathered_bytes / c calls (1 to max_iters) after one pass, each written
+  //! and timed alone, and its time their mean. Aging every call by the whole pass instead timed
+  //! a ZeRO-2 step's per-unit gathers over MPI at 1.7x the step's on this project's Intel Xeon
+  //! (benchmarks/README.md). Needs optimizer_bytes.
+  std::size_t gathered_bytes = 0;
   //! Out-of-place all-gathers take turns on this many outputs of their own (1: the same one
   //! every call), as the engine's ZeRO-3 gathers a unit into a buffer an earlier unit released
   //! (engine_options::reuse_gathered_buffers) and holds prefetch + 1 of them; 0: they walk the
@@ -158,6 +169,12 @@ inline void check(const sweep_options& o, int rank) {
         "calibrate (rank ", rank, "): optimizer_bytes ", o.optimizer_bytes,
         " is set without fresh_input and in_place; expected both (it ages the in-place "
         "all-gathers, each timed alone)");
+  }
+  if (o.gathered_bytes != 0 && o.optimizer_bytes == 0) {
+    shardkit::detail::raise<calibration_error>(
+        "calibrate (rank ", rank, "): gathered_bytes ", o.gathered_bytes,
+        " is set without optimizer_bytes; expected both (the in-place all-gathers it groups "
+        "follow one optimizer pass)");
   }
   if (o.zero_reduce_outputs && !o.fresh_input) {
     shardkit::detail::raise<calibration_error>(
@@ -346,10 +363,27 @@ std::vector<calibration_sample> sweep(Comm& comm, const sweep_options& o) {
             o.fresh_input ? 1
                           : static_cast<int>(std::clamp<std::size_t>(
                                 o.bytes_per_rep / bytes, 1, static_cast<std::size_t>(o.max_iters)));
+        // In-place all-gathers timed in runs after one optimizer pass (gathered_bytes): the
+        // calls in a run; 0: each call on its own.
+        const int run = o.gathered_bytes != 0 && in_place && op == collective::all_gather
+                            ? static_cast<int>(
+                                  std::clamp<std::size_t>(o.gathered_bytes / (n / p * sizeof(T)), 1,
+                                                          static_cast<std::size_t>(o.max_iters)))
+                            : 0;
         std::vector<double> reps;
         for (int rep = -o.warmup; rep < o.reps; ++rep) {
           double s = 0;
-          if (o.fresh_input) {  // write, wait for every rank, time the one call
+          if (run != 0) {  // one optimizer pass, then the run of gathers
+            stream_state();
+            for (int i = 0; i < run; ++i) {
+              const call_buffers x = buffers(op, n, in_place);
+              write(x);
+              comm.barrier();
+              const auto t0 = clock::now();
+              issue(op, n, x);
+              s += repetition_time(t0, clock::now(), 1) / run;
+            }
+          } else if (o.fresh_input) {  // write, wait for every rank, time the one call
             const call_buffers x = buffers(op, n, in_place);
             if (in_place && op == collective::all_gather) stream_state();
             if (o.zero_reduce_outputs && !in_place && op == collective::reduce_scatter) {
