@@ -363,37 +363,29 @@ std::vector<calibration_sample> sweep(Comm& comm, const sweep_options& o) {
             o.fresh_input ? 1
                           : static_cast<int>(std::clamp<std::size_t>(
                                 o.bytes_per_rep / bytes, 1, static_cast<std::size_t>(o.max_iters)));
-        // In-place all-gathers timed in runs after one optimizer pass (gathered_bytes): the
-        // calls in a run; 0: each call on its own.
-        const int run = o.gathered_bytes != 0 && in_place && op == collective::all_gather
-                            ? static_cast<int>(
-                                  std::clamp<std::size_t>(o.gathered_bytes / (n / p * sizeof(T)), 1,
-                                                          static_cast<std::size_t>(o.max_iters)))
-                            : 0;
+        // Fresh inputs: the calls timed alone in a repetition, their mean its time. In-place
+        // all-gathers come in runs after one optimizer pass (gathered_bytes), others one by one.
+        const int calls = o.gathered_bytes != 0 && in_place && op == collective::all_gather
+                              ? static_cast<int>(std::clamp<std::size_t>(
+                                    o.gathered_bytes / (n / p * sizeof(T)), 1,
+                                    static_cast<std::size_t>(o.max_iters)))
+                              : 1;
         std::vector<double> reps;
         for (int rep = -o.warmup; rep < o.reps; ++rep) {
           double s = 0;
-          if (run != 0) {  // one optimizer pass, then the run of gathers
-            stream_state();
-            for (int i = 0; i < run; ++i) {
+          if (o.fresh_input) {  // write, wait for every rank, time each call alone
+            if (in_place && op == collective::all_gather) stream_state();
+            for (int i = 0; i < calls; ++i) {
               const call_buffers x = buffers(op, n, in_place);
+              if (o.zero_reduce_outputs && !in_place && op == collective::reduce_scatter) {
+                std::fill_n(x.dst, n / p, T(0.0f));
+              }
               write(x);
               comm.barrier();
               const auto t0 = clock::now();
               issue(op, n, x);
-              s += repetition_time(t0, clock::now(), 1) / run;
+              s += repetition_time(t0, clock::now(), 1) / calls;
             }
-          } else if (o.fresh_input) {  // write, wait for every rank, time the one call
-            const call_buffers x = buffers(op, n, in_place);
-            if (in_place && op == collective::all_gather) stream_state();
-            if (o.zero_reduce_outputs && !in_place && op == collective::reduce_scatter) {
-              std::fill_n(x.dst, n / p, T(0.0f));
-            }
-            write(x);
-            comm.barrier();
-            const auto t0 = clock::now();
-            issue(op, n, x);
-            s = repetition_time(t0, clock::now(), 1);
           } else {
             comm.barrier();
             const auto t0 = clock::now();
