@@ -577,10 +577,12 @@ PEER_TARGETS = (  # (ours, theirs, floor, label); floor None: reported, not a ta
     ("shardkit_bf16", "deepspeed_fp32_copy", 1.0,
      "mixed-precision step ≥ 1.0× DeepSpeed's CPU Adam with the 16-bit copy"),
     ("shardkit_fp32_own", "torch_fused", None, ""),
+    ("shardkit_fp32_own", "deepspeed_fp32", None, ""),
     ("shardkit_fp32", "stream_fp32", None, ""),
     ("torch_fused", "stream_fp32", None, ""),
     ("shardkit_fp32_same", "stream_fp32_same", None, ""),
     ("torch_fused_same", "stream_fp32_same", None, ""),
+    ("deepspeed_fp32_same", "stream_fp32_same", None, ""),
 )
 
 
